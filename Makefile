@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine (Debian 12, Python 3.11, root or sudo for apt):
+#   make demo   the main job (MovieLens-100K, embedded defaults)
+#   make test   the whole test suite (installs redis-server and Java 17 if missing)
+# A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Spark 4 runs on Java 17; another JDK on PATH (e.g. 25) is not used.
+JAVA17 := $(firstword $(wildcard /usr/lib/jvm/java-17-openjdk-*))
+ifneq ($(JAVA17),)
+export JAVA_HOME := $(JAVA17)
+endif
+export PYSPARK_PYTHON := $(abspath $(BIN)/python)
+export PYSPARK_DRIVER_PYTHON := $(abspath $(BIN)/python)
+export SPARK_LOCAL_IP := 127.0.0.1
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv sysdeps clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(BIN)/pip check
+	touch $@
+
+sysdeps:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q redis-server; }
+	@ls /usr/lib/jvm/java-17-openjdk-*/bin/java >/dev/null 2>&1 || \
+		{ apt-get update -q && apt-get install -y -q openjdk-17-jre-headless; }
+
+demo: $(STAMP) sysdeps
+	$(BIN)/solaris demo --workdir artifacts/demo
+
+test: $(STAMP) sysdeps
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf artifacts .pytest_cache

@@ -1,0 +1,70 @@
+"""Pieces shared by the models: side-feature embeddings and batch conversion."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class SideEmbedding(nn.Module):
+    """Embeds an id together with its side features: id embedding + sum of categorical embeddings + mean of
+    multi-valued embeddings. The lookup tables are buffers, so a checkpoint carries them.
+
+    Args:
+        side: ``{"n_ids": int, "categorical": {col: vocab}, "multi": {col: [vocab, width]}}``.
+        dim: output width.
+    """
+
+    def __init__(self, side: dict, dim: int):
+        super().__init__()
+        self.n_ids = int(side["n_ids"])
+        self.cat_cols = list(side.get("categorical", {}))
+        self.multi_cols = list(side.get("multi", {}))
+        self.ids = nn.Embedding(self.n_ids, dim, padding_idx=0)
+        self.cats = nn.ModuleList(nn.Embedding(int(v), dim) for v in side.get("categorical", {}).values())
+        self.multis = nn.ModuleList(nn.Embedding(int(v[0]), dim, padding_idx=0)
+                                    for v in side.get("multi", {}).values())
+        for emb in [self.ids, *self.cats, *self.multis]:
+            # Small init: ids never seen in training (new users at test time) stay near zero, not random noise.
+            nn.init.normal_(emb.weight, std=0.01)
+        self.register_buffer("cat_table", torch.zeros(self.n_ids, len(self.cat_cols), dtype=torch.long))
+        for c, v in side.get("multi", {}).items():
+            self.register_buffer(f"multi_{c}", torch.zeros(self.n_ids, int(v[1]), dtype=torch.long))
+
+    def set_tables(self, cat: np.ndarray, multi: dict) -> None:
+        """Loads the side lookup tables built by ``solaris_jobs.features.side_tables``."""
+        self.cat_table.copy_(torch.as_tensor(cat, dtype=torch.long))
+        for c in self.multi_cols:
+            getattr(self, f"multi_{c}").copy_(torch.as_tensor(multi[c], dtype=torch.long))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: (...,) int64, any id >= n_ids is unknown (row 0). Returns (..., dim)."""
+        ids = torch.where((ids >= 0) & (ids < self.n_ids), ids, torch.zeros_like(ids))
+        out = self.ids(ids)
+        if self.cat_cols:
+            codes = self.cat_table[ids]                                     # (..., C)
+            for j, emb in enumerate(self.cats):
+                out = out + emb(codes[..., j].clamp(0, emb.num_embeddings - 1))
+        for c, emb in zip(self.multi_cols, self.multis):
+            vals = getattr(self, f"multi_{c}")[ids].clamp(0, emb.num_embeddings - 1)   # (..., W)
+            mask = (vals > 0).unsqueeze(-1).float()
+            out = out + (emb(vals) * mask).sum(-2) / mask.sum(-2).clamp(min=1.0)
+        return out
+
+
+def batch_to_tensors(batch: dict, device: torch.device | str = "cpu") -> dict:
+    """Numpy batch from ``Examples.batch`` to tensors on ``device`` (ints to int64, floats to float32)."""
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        t = torch.from_numpy(v.astype(np.int64) if v.dtype.kind in "iub" else v.astype(np.float32))
+        out[k] = t.to(device, non_blocking=True)
+    return out
+
+
+def counter_features(b: dict) -> torch.Tensor:
+    """(B, 4): log counts and smoothed positive rates of the user and the item before the event."""
+    prior = 0.5
+    u_rate = (b["user_pos"] + prior) / (b["user_known"] + 1.0)
+    i_rate = (b["item_pos"] + prior) / (b["item_known"] + 1.0)
+    return torch.stack([torch.log1p(b["user_cnt"]) / 5.0, u_rate, torch.log1p(b["item_cnt"]) / 5.0, i_rate], -1)

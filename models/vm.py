@@ -1,0 +1,72 @@
+"""The vertical model (VM): the small, fast ranker that SOLARIS feeds.
+
+Id and side-feature embeddings of user and item, the user's and item's counters before the event (log counts,
+smoothed positive rates), an MLP to one logit. Optionally an FM slot: a D-dim embedding from the feature store
+plus a one-hot tier indicator (pair, user aggregate, neighbour, none); rows with no embedding get zeros and tier
+none. Knowledge distillation (the baseline SOLARIS is compared against) trains the same model on a mix of the
+label and the FM's predicted probability.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common import SideEmbedding, counter_features
+
+TIERS = ("pair", "user_aggregate", "neighbour", "none")
+TIER_NONE = TIERS.index("none")
+
+
+@dataclass
+class VMConfig:
+    user_side: dict = field(default_factory=lambda: {"n_ids": 1})
+    item_side: dict = field(default_factory=lambda: {"n_ids": 1})
+    d_emb: int = 16
+    hidden: tuple = (128, 64)
+    dropout: float = 0.1
+    fm_dim: int = 0                  # 0: no FM slot; else the width of the FM embedding input
+    kd_weight: float = 0.0           # > 0: knowledge distillation, weight of the FM soft label in the loss
+
+
+class VerticalModel(nn.Module):
+    def __init__(self, cfg: VMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.users = SideEmbedding(cfg.user_side, cfg.d_emb)
+        self.items = SideEmbedding(cfg.item_side, cfg.d_emb)
+        width = 3 * cfg.d_emb + 4 + (cfg.fm_dim + len(TIERS) if cfg.fm_dim else 0)
+        layers = []
+        for h in cfg.hidden:
+            layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
+            width = h
+        self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
+
+    def forward(self, b: dict) -> dict:
+        """b: batch tensors; with an FM slot also ``fm_emb`` (B, fm_dim) and ``tier`` (B,) int64.
+
+        Returns:
+            ``logit`` (B,).
+        """
+        u, i = self.users(b["user"]), self.items(b["item"])                 # (B, d_emb) each
+        parts = [u, i, u * i, counter_features(b)]
+        if self.cfg.fm_dim:
+            B = u.shape[0]
+            emb = b.get("fm_emb")
+            tier = b.get("tier")
+            if emb is None:
+                emb = u.new_zeros(B, self.cfg.fm_dim)
+                tier = torch.full((B,), TIER_NONE, dtype=torch.long, device=u.device)
+            parts += [emb, F.one_hot(tier, len(TIERS)).float()]
+        return {"logit": self.mlp(torch.cat(parts, -1)).squeeze(-1)}
+
+    def loss(self, out: dict, b: dict) -> torch.Tensor:
+        """BCE on the label; with ``kd_weight`` > 0, mixed with BCE on the FM's soft label ``fm_prob``."""
+        known = b["label"] >= 0
+        loss = F.binary_cross_entropy_with_logits(out["logit"][known], b["label"][known])
+        if self.cfg.kd_weight > 0:
+            kd = F.binary_cross_entropy_with_logits(out["logit"], b["fm_prob"])
+            loss = (1 - self.cfg.kd_weight) * loss + self.cfg.kd_weight * kd
+        return loss

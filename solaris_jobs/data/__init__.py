@@ -1,0 +1,1 @@
+"""Data sources that produce the SOLARIS event-log contract (see ``solaris_jobs.events``)."""

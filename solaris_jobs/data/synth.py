@@ -1,0 +1,307 @@
+"""Ad-like synthetic traffic in the event-log contract, at any scale, deterministic under a seed.
+
+What it models (all parameters in :class:`SynthConfig`):
+
+* Users return over days in sessions. Each user has a heavy-tailed activity rate (log-normal, median
+  ``session_rate`` sessions/day). Inside a session requests follow each other minutes apart
+  (``request_gap_minutes``); a session goes on with probability ``p_continue`` after each request.
+* Each request ranks ``n_pool + n_fresh`` candidates: ``n_pool`` from a per-user pool of ``pool_size`` items that
+  changes slowly (each slot is replaced with probability ``1 - exp(-gap / pool_half_life)``), and ``n_fresh``
+  popular items drawn from a Zipf law. So the same user-item pairs come back across requests, as ads do.
+* The label (click) is a hidden non-linear function of the pair and the user's recent history: a saturating
+  static affinity ``tanh(<u, v>)``, the user's current interest (an exponentially decaying mean of the items they
+  clicked, rectified), fatigue from earlier impressions of the same pair, and item popularity. A sequence model
+  that sees the history can learn the last two; a model of ids and side features cannot.
+* Users have side features ``segment`` (their favourite category, informative) and ``region`` (noise); items
+  have ``category`` (informative).
+
+Determinism: every random draw is a counter-based hash of (seed, stream, user, request index, slot), so the rows
+do not depend on how users are split into chunks, and the same seed and parameters give the same bytes. Users
+are generated ``chunk_users`` at a time; a chunk's rows are written and dropped before the next, so memory is
+bounded by the chunk, not the whole log.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from solaris_jobs import events as ev
+
+logger = logging.getLogger(__name__)
+
+LATENT = 8
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """Parameters of the synthetic traffic (documented in the module docstring)."""
+    users: int = 10_000
+    items: int = 5_000
+    days: float = 7.0
+    seed: int = 0
+    start: str = "2026-01-05T00:00:00Z"
+    categories: int = 24
+    zipf_exponent: float = 1.05
+    session_rate: float = 0.3          # median sessions per day; log-normal across users
+    session_rate_sigma: float = 1.0
+    p_continue: float = 0.6            # chance a session has another request
+    request_gap_minutes: float = 3.0
+    pool_size: int = 40
+    pool_half_life_days: float = 2.0
+    n_pool: int = 8
+    n_fresh: int = 2
+    interest_half_life_hours: float = 12.0
+    max_requests: int = 400
+    chunk_users: int = 50_000
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _uniform(seed: int, stream: int, *keys) -> np.ndarray:
+    """Uniform [0, 1) draws, a pure function of (seed, stream, keys); keys broadcast like numpy arrays."""
+    with np.errstate(over="ignore"):
+        h = _mix(np.uint64(seed) * _GOLDEN + np.uint64(stream))
+        for k in keys:
+            h = _mix(h ^ (np.asarray(k).astype(np.uint64) + _GOLDEN))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _normal(seed: int, stream: int, *keys) -> np.ndarray:
+    u1 = _uniform(seed, stream, *keys)
+    u2 = _uniform(seed, stream + 7919, *keys)
+    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+
+
+class _World:
+    """The global part of the simulation: items, categories, popularity."""
+
+    def __init__(self, cfg: SynthConfig):
+        self.cfg = cfg
+        m, c, s = cfg.items, cfg.categories, cfg.seed
+        idx = np.arange(m)
+        self.category = np.floor(_uniform(s, 1, idx) * c).astype(np.int64)
+        centroids = _normal(s, 2, np.arange(c)[:, None], np.arange(LATENT)[None, :])
+        self.centroids = centroids / np.linalg.norm(centroids, axis=1, keepdims=True)
+        noise = _normal(s, 3, idx[:, None], np.arange(LATENT)[None, :]) / math.sqrt(LATENT)
+        self.vec = 0.8 * self.centroids[self.category] + 0.6 * noise          # (M, LATENT)
+        rank = np.argsort(_uniform(s, 4, idx), kind="stable")                  # item at each popularity rank
+        weight = np.empty(m)
+        weight[rank] = 1.0 / np.arange(1, m + 1) ** cfg.zipf_exponent
+        self.weight = weight / weight.sum()
+        self.pop_z = (np.log(weight) - np.log(weight).mean()) / np.log(weight).std()
+        self.global_order = rank
+        self.global_cdf = np.cumsum(weight[rank]) / weight.sum()
+        # Per-category Zipf: items sorted by (category, popularity), CDF of segment c shifted to (c, c+1].
+        order = np.lexsort((-weight, self.category))
+        self.cat_order = order
+        cat_sorted = self.category[order]
+        w = weight[order]
+        seg_total = np.bincount(cat_sorted, weights=w, minlength=c)
+        cum = np.cumsum(w)
+        seg_start = np.concatenate([[0.0], np.cumsum(seg_total)[:-1]])
+        self.cat_cdf = cat_sorted + (cum - seg_start[cat_sorted]) / np.maximum(seg_total[cat_sorted], 1e-300)
+        self.cat_has_items = seg_total > 0
+
+    def popular(self, u: np.ndarray) -> np.ndarray:
+        return self.global_order[np.minimum(np.searchsorted(self.global_cdf, u, side="right"), self.cfg.items - 1)]
+
+    def in_category(self, cat: np.ndarray, u: np.ndarray) -> np.ndarray:
+        pos = np.searchsorted(self.cat_cdf, cat + u, side="right")
+        item = self.cat_order[np.minimum(pos, self.cfg.items - 1)]
+        return np.where(self.cat_has_items[cat], item, self.popular(u))
+
+
+def _user_side(cfg: SynthConfig, ids: np.ndarray, world: _World) -> dict:
+    s = cfg.seed
+    fav = np.floor(_uniform(s, 10, ids[:, None], np.arange(3)[None, :]) * cfg.categories).astype(np.int64)
+    noise = _normal(s, 11, ids[:, None], np.arange(LATENT)[None, :]) / math.sqrt(LATENT)
+    vec = 0.9 * world.centroids[fav[:, 0]] + 0.8 * noise
+    rate = cfg.session_rate * np.exp(cfg.session_rate_sigma * _normal(s, 12, ids))
+    region = np.floor(_uniform(s, 13, ids) * 10).astype(np.int64)
+    return {"fav": fav, "vec": vec, "rate": np.minimum(rate, 24.0), "region": region}
+
+
+def _draw_pool_items(cfg, world, users, fav, keys_step, slots):
+    """Items for pool slots: 70% from the user's favourite categories, 30% globally popular (Zipf)."""
+    s = cfg.seed
+    u_kind = _uniform(s, 20, users[:, None], keys_step[:, None], slots[None, :])
+    u_cat = _uniform(s, 21, users[:, None], keys_step[:, None], slots[None, :])
+    u_item = _uniform(s, 22, users[:, None], keys_step[:, None], slots[None, :])
+    which = np.floor(u_cat * 3).astype(np.int64)
+    cats = np.take_along_axis(fav, which, axis=1)
+    return np.where(u_kind < 0.7, world.in_category(cats, u_item), world.popular(u_item))
+
+
+def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int) -> pa.Table:
+    """Simulates users lo+1..hi (ids are 1-based) and returns their events."""
+    s = cfg.seed
+    ids = np.arange(lo + 1, hi + 1, dtype=np.int64)
+    side = _user_side(cfg, ids, world)
+    n = len(ids)
+    horizon = cfg.days * 86400.0
+    slots = np.arange(cfg.pool_size)
+    pool = _draw_pool_items(cfg, world, ids, side["fav"], np.full(n, 0xFFFF), slots)     # (n, P)
+    seen = np.zeros((n, cfg.pool_size), dtype=np.int64)
+    interest = np.zeros((n, LATENT))
+    # First request: the user's session process is already running at the start (memoryless).
+    t = -np.log1p(-_uniform(s, 30, ids)) / side["rate"] * 86400.0
+    last_t = t.copy()
+    alive = t < horizon
+    k_cand = cfg.n_pool + cfg.n_fresh
+    out_u, out_i, out_t, out_y, out_r = [], [], [], [], []
+    for step in range(cfg.max_requests):
+        rows = np.flatnonzero(alive)
+        if rows.size == 0:
+            break
+        uid, tt = ids[rows], t[rows]
+        stepk = np.full(rows.size, step)
+        gap = tt - last_t[rows]
+        # Slow pool drift: each slot replaced with probability 1 - exp(-gap / half-life).
+        p_rep = 1.0 - np.exp(-gap / (cfg.pool_half_life_days * 86400.0) * math.log(2))
+        rep = _uniform(s, 40, uid[:, None], stepk[:, None], slots[None, :]) < p_rep[:, None]
+        if rep.any():
+            fresh_pool = _draw_pool_items(cfg, world, uid, side["fav"][rows], stepk, slots)
+            pool[rows] = np.where(rep, fresh_pool, pool[rows])
+            seen[rows] = np.where(rep, 0, seen[rows])
+        # Candidates: n_pool distinct pool slots + n_fresh popular items.
+        keys = _uniform(s, 41, uid[:, None], stepk[:, None], slots[None, :])
+        pick = np.argsort(keys, axis=1)[:, : cfg.n_pool]                                   # (r, n_pool)
+        pool_items = np.take_along_axis(pool[rows], pick, axis=1)
+        pool_seen = np.take_along_axis(seen[rows], pick, axis=1)
+        fresh = world.popular(_uniform(s, 42, uid[:, None], stepk[:, None], np.arange(cfg.n_fresh)[None, :]))
+        items = np.concatenate([pool_items, fresh], axis=1)                                # (r, K)
+        n_seen = np.concatenate([pool_seen, np.zeros_like(fresh)], axis=1)
+        # Hidden click model.
+        v = world.vec[items]                                                               # (r, K, LATENT)
+        decay = np.exp(-gap / (cfg.interest_half_life_hours * 3600.0) * math.log(2))
+        cur_interest = interest[rows] * decay[:, None]
+        aff = np.einsum("rkd,rd->rk", v, side["vec"][rows])
+        cur = np.einsum("rkd,rd->rk", v, cur_interest)
+        logit = (-2.6 + 1.6 * np.tanh(1.5 * aff) + 3.0 * np.maximum(cur, 0.0)
+                 - 0.45 * np.log1p(n_seen) * (1.0 + (aff < 0)) + 0.35 * world.pop_z[items])
+        y = _uniform(s, 43, uid[:, None], stepk[:, None], np.arange(k_cand)[None, :]) < 1.0 / (1.0 + np.exp(-logit))
+        # State updates: interest moves toward the clicked items, shown pool slots count an impression.
+        clicked = y.sum(axis=1)
+        mean_clicked = np.einsum("rk,rkd->rd", y, v) / np.maximum(clicked, 1)[:, None]
+        interest[rows] = np.where(clicked[:, None] > 0, 0.5 * cur_interest + 0.5 * mean_clicked, cur_interest)
+        sub = seen[rows]
+        np.put_along_axis(sub, pick, pool_seen + 1, axis=1)
+        seen[rows] = sub
+        out_u.append(np.repeat(uid, k_cand))
+        out_i.append(items.ravel() + 1)
+        out_t.append(np.repeat(tt, k_cand))
+        out_y.append(y.ravel())
+        out_r.append(np.repeat(uid * 65536 + step, k_cand))
+        # Next request: same session minutes later, or a new session hours to days later.
+        last_t[rows] = tt
+        cont = _uniform(s, 44, uid, stepk) < cfg.p_continue
+        e = -np.log1p(-_uniform(s, 45, uid, stepk))
+        nxt = tt + np.where(cont, e * cfg.request_gap_minutes * 60.0, e / side["rate"][rows] * 86400.0)
+        t[rows] = nxt
+        alive[rows] = nxt < horizon
+    start_us = ev.to_utc(cfg.start).value // 1000
+    if not out_u:
+        return ev.conform(pd.DataFrame({c: pd.Series(dtype="int64") for c in ["user_id", "item_id"]})
+                          .assign(event_timestamp=pd.Series(dtype="datetime64[us, UTC]")))
+    ts_us = start_us + np.floor(np.concatenate(out_t) * 1e6).astype(np.int64)
+    table = pa.table({
+        "user_id": np.concatenate(out_u),
+        "item_id": np.concatenate(out_i),
+        "event_timestamp": pa.array(ts_us, pa.timestamp("us", tz="UTC")),
+        "label": np.concatenate(out_y).astype(np.int8),
+        "request_id": np.concatenate(out_r),
+    })
+    return ev.conform(table)
+
+
+def pair_recurrence(table: pa.Table, window_hours: float = 24.0) -> tuple[int, int]:
+    """Counts rows whose (user, item) pair was already ranked for that user in the previous ``window_hours``.
+
+    "Previous" is strictly earlier (an earlier request), so duplicates inside one request do not count.
+    All rows of a user must be in ``table``.
+
+    Returns:
+        (recurrent rows, all rows).
+    """
+    if table.num_rows == 0:
+        return 0, 0
+    u = table.column("user_id").to_numpy()
+    i = table.column("item_id").to_numpy()
+    t = table.column("event_timestamp").cast(pa.int64()).to_numpy()
+    order = np.lexsort((t, i, u))
+    u, i, t = u[order], i[order], t[order]
+    same = (u[1:] == u[:-1]) & (i[1:] == i[:-1])
+    # Earliest strictly-earlier row of the pair: walk back over same-timestamp rows by using the run start.
+    dt_prev = np.diff(t)
+    # Time since the last *distinct* timestamp of the same pair.
+    new_ts = np.concatenate([[True], ~same | (dt_prev > 0)])
+    last_distinct = np.maximum.accumulate(np.where(new_ts, np.arange(len(t)), 0))
+    prev_idx = last_distinct - 1          # the row before this timestamp run
+    ok = prev_idx >= 0
+    pi = np.where(ok, prev_idx, 0)
+    rec = ok & (u[pi] == u) & (i[pi] == i) & (t - t[pi] <= window_hours * 3600e6) & (t[pi] < t)
+    return int(rec.sum()), len(t)
+
+
+def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -> dict:
+    """Generates the data set under ``out`` chunk by chunk and writes its manifest.
+
+    Returns:
+        The manifest: parameters, rows, users with events, positive rate, pair recurrence, seconds taken.
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    world = _World(cfg)
+    bounds = list(range(0, cfg.users, cfg.chunk_users)) + [cfg.users]
+    chunks = list(zip(bounds[:-1], bounds[1:]))
+    if progress:
+        from tqdm import tqdm
+        chunks = tqdm(chunks, desc="synth chunks", unit="chunk")
+    n_rows = n_pos = n_rec = n_users = 0
+    out.mkdir(parents=True, exist_ok=True)
+    users_writer = pq.ParquetWriter(out / ".users.parquet.tmp", pa.schema(
+        [("user_id", pa.int64()), ("segment", pa.int32()), ("region", pa.int32())]), compression="zstd")
+    try:
+        for k, (lo, hi) in enumerate(chunks):
+            table = _generate_chunk(cfg, world, lo, hi)
+            ev.write_events(table, out, part=f"part-{k:05d}")
+            rec, rows = pair_recurrence(table)
+            n_rows += rows
+            n_rec += rec
+            n_pos += int(pa.compute.sum(table.column("label")).as_py() or 0)
+            n_users += len(np.unique(table.column("user_id").to_numpy()))
+            ids = np.arange(lo + 1, hi + 1, dtype=np.int64)
+            side = _user_side(cfg, ids, world)
+            users_writer.write_table(pa.table({"user_id": ids, "segment": side["fav"][:, 0].astype(np.int32) + 1,
+                                               "region": side["region"].astype(np.int32) + 1}))
+            logger.info("chunk %d: users %d-%d, %d rows", k, lo + 1, hi, rows)
+    finally:
+        users_writer.close()
+    os.replace(out / ".users.parquet.tmp", out / "users.parquet")
+    ev.write_table(pa.table({"item_id": np.arange(1, cfg.items + 1, dtype=np.int64),
+                             "category": (world.category + 1).astype(np.int32)}), out / "items.parquet")
+    manifest = {
+        "source": "synthetic", "config": asdict(cfg), "events": n_rows, "users_with_events": n_users,
+        "positive_rate": n_pos / max(n_rows, 1), "pair_recurrence_24h": n_rec / max(n_rows, 1),
+        "rejected": 0, "seconds": round(time.perf_counter() - t0, 2),
+    }
+    ev.write_manifest(out, manifest)
+    logger.info("synthetic: %d rows, %d users, positive rate %.3f, 24h pair recurrence %.3f in %.1fs", n_rows,
+                n_users, manifest["positive_rate"], manifest["pair_recurrence_24h"], manifest["seconds"])
+    return manifest

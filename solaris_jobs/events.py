@@ -1,0 +1,212 @@
+"""The event-log contract: schema, hour-partitioned parquet layout, validation and interval reads.
+
+One row per ranked candidate or impression. Columns:
+
+=================  ======================  ===========================================================
+column             type                    meaning
+=================  ======================  ===========================================================
+user_id            int64                   the user (> 0)
+item_id            int64                   the item (> 0)
+event_timestamp    timestamp[us, UTC]      when the item was ranked or shown
+label              int8, nullable          1 positive (click, rating >= 4), 0 negative, null unknown
+rating             float32, nullable       explicit rating where the source has one (MovieLens 1-5)
+request_id         int64, nullable         the ranking request the row belongs to
+vm_score           float32, nullable       the score the serving ranker gave, where logged
+=================  ======================  ===========================================================
+
+On disk: ``<root>/events/date=YYYY-MM-DD/hour=HH/part-*.parquet`` (UTC), microsecond timestamps so that Spark
+reads them. Side tables live beside it: ``<root>/users.parquet`` and ``<root>/items.parquet`` (an id column plus
+integer categorical columns or ``list<int32>`` multi-valued columns), rows set aside in ``<root>/rejects/``.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+EVENT_SCHEMA = pa.schema(
+    [
+        pa.field("user_id", pa.int64(), nullable=False),
+        pa.field("item_id", pa.int64(), nullable=False),
+        pa.field("event_timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("label", pa.int8()),
+        pa.field("rating", pa.float32()),
+        pa.field("request_id", pa.int64()),
+        pa.field("vm_score", pa.float32()),
+    ]
+)
+PARTITION_SCHEMA = pa.schema([pa.field("date", pa.string()), pa.field("hour", pa.string())])
+REJECT_SCHEMA = pa.schema(
+    [pa.field("source", pa.string()), pa.field("line", pa.int64()), pa.field("raw", pa.string()),
+     pa.field("reason", pa.string())]
+)
+
+
+class DataContractError(ValueError):
+    """Input that cannot be read into a SOLARIS contract; the message names the file, column and value."""
+
+
+def events_dir(root: str | os.PathLike) -> Path:
+    return Path(root) / "events"
+
+
+def to_utc(ts: str | dt.datetime | pd.Timestamp) -> pd.Timestamp:
+    """Parses a timestamp; naive values are taken as UTC."""
+    t = pd.Timestamp(ts)
+    return t.tz_localize("UTC") if t.tzinfo is None else t.tz_convert("UTC")
+
+
+def conform(table: pa.Table | pd.DataFrame, source: str = "<table>") -> pa.Table:
+    """Casts a table to EVENT_SCHEMA, adding absent optional columns as nulls.
+
+    Args:
+        table: rows with at least ``user_id``, ``item_id`` and ``event_timestamp``.
+        source: name used in error messages.
+
+    Returns:
+        A table with exactly the EVENT_SCHEMA columns, in order.
+
+    Raises:
+        DataContractError: a required column is missing or has nulls, or a column does not cast.
+    """
+    if isinstance(table, pd.DataFrame):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    columns = []
+    for field in EVENT_SCHEMA:
+        if field.name not in table.column_names:
+            if not field.nullable:
+                raise DataContractError(f"{source}: required column {field.name!r} is missing "
+                                        f"(found {table.column_names})")
+            columns.append(pa.nulls(table.num_rows, field.type))
+            continue
+        col = table.column(field.name)
+        if not field.nullable and col.null_count:
+            raise DataContractError(f"{source}: column {field.name!r} has {col.null_count} null values")
+        try:
+            if pa.types.is_timestamp(col.type) and col.type.tz is None:
+                col = pc.assume_timezone(col, "UTC")
+            columns.append(col.cast(field.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise DataContractError(f"{source}: column {field.name!r} of type {col.type} does not cast to "
+                                    f"{field.type}: {e}") from e
+    return pa.Table.from_arrays(columns, schema=EVENT_SCHEMA)
+
+
+def write_events(table: pa.Table, root: str | os.PathLike, part: str = "part-00000") -> int:
+    """Writes events under ``<root>/events`` partitioned by UTC date and hour.
+
+    Each (date, hour) partition gets one file named ``<part>.parquet``; a rerun with the same part name
+    overwrites it. Rows are sorted by (event_timestamp, user_id, item_id) so the bytes depend only on the rows.
+
+    Returns:
+        The number of rows written.
+    """
+    table = conform(table)
+    if table.num_rows == 0:
+        return 0
+    table = table.sort_by([("event_timestamp", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")])
+    ts = table.column("event_timestamp")
+    hour_key = pc.strftime(ts, format="%Y-%m-%d/%H", locale="C")
+    # Rows are sorted by time, so each hour is one contiguous run.
+    keys = hour_key.to_numpy(zero_copy_only=False)
+    bounds = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(keys)]])
+    base = events_dir(root)
+    for s, e in zip(starts, ends):
+        date, hour = keys[s].split("/")
+        out = base / f"date={date}" / f"hour={hour}"
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(table.slice(s, e - s), out / f"{part}.parquet")
+    return table.num_rows
+
+
+def _write_atomic(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp, compression="zstd", coerce_timestamps="us", allow_truncated_timestamps=True)
+    os.replace(tmp, path)
+
+
+def write_table(table: pa.Table | pd.DataFrame, path: str | os.PathLike) -> None:
+    """Writes one parquet file atomically (temporary file, then rename)."""
+    if isinstance(table, pd.DataFrame):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(table, path)
+
+
+def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str] | None = None) -> pa.Table:
+    """Reads the events with ``start <= event_timestamp < end`` (either bound may be None).
+
+    Only the hour partitions that overlap the interval are opened.
+
+    Raises:
+        DataContractError: there is no event log under ``root``.
+    """
+    base = events_dir(root)
+    if not base.is_dir():
+        raise DataContractError(f"{root}: no event log (expected {base}/date=YYYY-MM-DD/hour=HH/*.parquet)")
+    full = pa.schema(list(EVENT_SCHEMA) + list(PARTITION_SCHEMA))
+    dataset = ds.dataset(base, format="parquet", schema=full,
+                         partitioning=ds.partitioning(PARTITION_SCHEMA, flavor="hive"))
+    flt = None
+    if start is not None:
+        s = to_utc(start)
+        flt = _and(flt, ds.field("date") >= s.strftime("%Y-%m-%d"))
+        flt = _and(flt, ds.field("event_timestamp") >= pa.scalar(s.to_pydatetime(), EVENT_SCHEMA.field(2).type))
+    if end is not None:
+        e = to_utc(end)
+        flt = _and(flt, ds.field("date") <= e.strftime("%Y-%m-%d"))
+        flt = _and(flt, ds.field("event_timestamp") < pa.scalar(e.to_pydatetime(), EVENT_SCHEMA.field(2).type))
+    cols = columns or EVENT_SCHEMA.names
+    table = dataset.to_table(columns=cols, filter=flt)
+    return table.sort_by([("event_timestamp", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")])
+
+
+def _and(a, b):
+    return b if a is None else a & b
+
+
+def write_rejects(rejects: pd.DataFrame, root: str | os.PathLike, name: str) -> Path:
+    """Writes set-aside rows (source, line, raw, reason) to ``<root>/rejects/<name>.parquet``."""
+    path = Path(root) / "rejects" / f"{name}.parquet"
+    write_table(pa.Table.from_pandas(rejects.reset_index(drop=True), schema=REJECT_SCHEMA, preserve_index=False),
+                path)
+    return path
+
+
+def write_manifest(root: str | os.PathLike, manifest: dict) -> Path:
+    path = Path(root) / "manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(root: str | os.PathLike) -> dict:
+    path = Path(root) / "manifest.json"
+    if not path.exists():
+        raise DataContractError(f"{root}: no manifest.json; create the data set with `solaris data ...`")
+    return json.loads(path.read_text())
+
+
+def read_side(root: str | os.PathLike, kind: str) -> pd.DataFrame:
+    """Reads the ``users`` or ``items`` side table (empty frame with just the id column if absent)."""
+    path = Path(root) / f"{kind}.parquet"
+    key = "user_id" if kind == "users" else "item_id"
+    if not path.exists():
+        return pd.DataFrame({key: pd.Series([], dtype="int64")})
+    return pq.read_table(path).to_pandas()

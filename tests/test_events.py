@@ -1,0 +1,48 @@
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from solaris_jobs import events as ev
+
+
+def _frame():
+    return pd.DataFrame({
+        "user_id": [1, 2, 1, 3],
+        "item_id": [10, 11, 12, 13],
+        "event_timestamp": pd.to_datetime(["2026-01-01T00:59:59.123456", "2026-01-01T01:00:00",
+                                           "2026-01-01T01:30:00", "2026-01-02T23:00:00"], utc=True, format="ISO8601"),
+        "label": [1, 0, 1, None],
+    })
+
+
+def test_write_read_interval_and_layout(tmp_path):
+    n = ev.write_events(ev.conform(_frame()), tmp_path, part="p0")
+    assert n == 4
+    files = sorted(p.relative_to(tmp_path / "events").as_posix() for p in (tmp_path / "events").rglob("*.parquet"))
+    assert files == ["date=2026-01-01/hour=00/p0.parquet", "date=2026-01-01/hour=01/p0.parquet",
+                     "date=2026-01-02/hour=23/p0.parquet"]
+    # Microsecond UTC timestamps on disk (Spark cannot read nanoseconds).
+    schema = pq.read_schema(tmp_path / "events" / files[0])
+    assert schema.field("event_timestamp").type == pa.timestamp("us", tz="UTC")
+    got = ev.read_events(tmp_path, "2026-01-01T01:00:00Z", "2026-01-02T00:00:00Z").to_pandas()
+    assert got["item_id"].tolist() == [11, 12]       # end is exclusive, start inclusive
+    whole = ev.read_events(tmp_path).to_pandas()
+    assert whole["event_timestamp"].iloc[0] == pd.Timestamp("2026-01-01T00:59:59.123456Z")
+    assert whole["label"].isna().sum() == 1
+    # Rewriting the same part overwrites: no duplicated rows.
+    ev.write_events(ev.conform(_frame()), tmp_path, part="p0")
+    assert ev.read_events(tmp_path).num_rows == 4
+
+
+def test_conform_names_missing_column_and_bad_type():
+    with pytest.raises(ev.DataContractError, match=r"mysource: required column 'item_id' is missing"):
+        ev.conform(_frame().drop(columns="item_id"), "mysource")
+    bad = _frame().assign(user_id=["a", "b", "c", "d"])
+    with pytest.raises(ev.DataContractError, match=r"column 'user_id' of type string"):
+        ev.conform(bad, "x")
+
+
+def test_read_events_without_log_is_a_clear_error(tmp_path):
+    with pytest.raises(ev.DataContractError, match="no event log"):
+        ev.read_events(tmp_path)
