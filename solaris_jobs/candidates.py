@@ -115,7 +115,7 @@ class RequestSimulator:
         cols = ["user_id", "item_id", "source", "retrieval_score"]
         out = pd.concat([cov[cols], pop[cols]], ignore_index=True)
         if actual_items is not None:
-            act = req.rename(columns={"actual": "item_id"}).assign(source="actual", retrieval_score=np.float32(0))
+            act = req.rename(columns={"actual": "item_id"}).assign(source="actual", retrieval_score=np.float32(-1))
             act = act.merge(out[["user_id", "item_id"]], on=["user_id", "item_id"], how="left", indicator=True)
             act = act.loc[act["_merge"] == "left_only", cols]
             out = pd.concat([out, act], ignore_index=True)

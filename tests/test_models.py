@@ -1,0 +1,76 @@
+"""Model shapes, checkpoint round trip and determinism (pure torch, small inputs)."""
+import numpy as np
+import pytest
+import torch
+
+from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, TIERS, VMConfig, VerticalModel,
+                    batch_to_tensors, load_checkpoint, save_checkpoint)
+
+USER_SIDE = {"n_ids": 6, "categorical": {"segment": 3}, "multi": {}}
+ITEM_SIDE = {"n_ids": 9, "categorical": {"category": 4}, "multi": {"genres": [5, 2]}}
+
+
+def _batch(B=5, L=4, seed=0):
+    rng = np.random.default_rng(seed)
+    hist = rng.integers(0, 9, (B, L))
+    hist[0] = 0                                     # a user with no history at all
+    return batch_to_tensors({
+        "user": rng.integers(1, 8, B),              # includes ids beyond the vocabulary (unknown)
+        "item": rng.integers(1, 9, B), "hist_item": hist,
+        "hist_signal": np.where(hist > 0, rng.integers(1, 8, (B, L)), 0),
+        "hist_gap": np.where(hist > 0, rng.integers(1, 33, (B, L)), 0),
+        "label": rng.integers(0, 2, B).astype(np.float32), "rating": rng.integers(0, 6, B).astype(np.float32),
+        **{k: rng.integers(0, 5, B).astype(np.float32) for k in
+           ["user_cnt", "user_known", "user_pos", "item_cnt", "item_known", "item_pos"]},
+    })
+
+
+def _fm():
+    torch.manual_seed(0)
+    fm = FoundationModel(FMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, history_len=4, d_model=16,
+                                  n_heads=2, n_layers=1, d_interaction=24))
+    fm.items.set_tables(np.arange(9)[:, None] % 4, {"genres": np.tile([[1, 4]], (9, 1))})
+    return fm.eval()
+
+
+def test_forward_shapes_and_no_nan_for_empty_history():
+    fm, b = _fm(), _batch()
+    out = fm(b)
+    assert out["logit"].shape == (5,) and out["rating"].shape == (5,) and out["h"].shape == (5, 24)
+    assert torch.isfinite(out["h"]).all() and ((out["rating"] >= 1) & (out["rating"] <= 5)).all()
+    u = fm.user_embedding(b)
+    assert u.shape == (5, 32) and torch.allclose(u.norm(dim=-1), torch.ones(5), atol=1e-5)
+    assert torch.isfinite(fm.loss(out, b))
+    ae = Autoencoder(AEConfig(d_in=24, d_code=8, d_hidden=16))
+    code, rec = ae(out["h"])
+    assert code.shape == (5, 8) and rec.shape == (5, 24)
+    vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, fm_dim=8))
+    assert vm(b)["logit"].shape == (5,)            # no fm_emb given: zeros, tier none
+    with_emb = vm({**b, "fm_emb": code.detach(), "tier": torch.zeros(5, dtype=torch.long)})["logit"]
+    assert with_emb.shape == (5,) and len(TIERS) == 4
+
+
+def test_checkpoint_round_trip_rebuilds_the_same_model(tmp_path):
+    fm, b = _fm(), _batch()
+    version = save_checkpoint(fm, tmp_path / "fm.pt", extra={"note": 1})
+    loaded, meta = load_checkpoint(tmp_path / "fm.pt", kind="fm")
+    assert meta["model_version"] == version and version.startswith("fm-") and meta["extra"] == {"note": 1}
+    assert meta["config"]["d_interaction"] == 24
+    with torch.inference_mode():
+        assert torch.equal(loaded(b)["h"], fm(b)["h"])
+    assert torch.equal(loaded.items.multi_genres, fm.items.multi_genres)     # side tables travel along
+    vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, hidden=(8,), kd_weight=0.5))
+    save_checkpoint(vm, tmp_path / "vm.pt")
+    vm2, meta = load_checkpoint(tmp_path / "vm.pt")
+    assert vm2.cfg == vm.cfg and meta["kind"] == "vm"
+    with pytest.raises(ValueError, match="holds a 'vm' model, expected 'fm'"):
+        load_checkpoint(tmp_path / "vm.pt", kind="fm")
+
+
+def test_version_changes_with_weights():
+    fm = _fm()
+    from models.checkpoint import model_version
+    v1 = model_version(fm)
+    with torch.no_grad():
+        fm.label_head.bias += 1
+    assert model_version(fm) != v1
