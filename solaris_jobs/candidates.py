@@ -7,8 +7,8 @@ answers for any request at t >= T, so its answer depends only on the log before 
 * co-visitation: items that followed or preceded the user's ``history_items`` most recent items within
   ``covisit_window`` positions in any user's history, scored by co-occurrence counts (top ``covisit_top`` per
   seed item), up to ``n_candidates - n_popular`` of them;
-* recent popularity: the ``n_popular`` items most often logged in the ``popularity_hours`` before T, then more
-  popular items to fill up to ``n_candidates``;
+* recent popularity: the items most often logged in the ``popularity_hours`` before T (then, if the window is
+  quiet, the rest by all-time count), filling the set up to ``n_candidates``;
 * the item the user actually interacted with, when the caller gives it (replays always contain it).
 
 Ties break by item id, so the output is deterministic.
@@ -52,10 +52,11 @@ class RequestSimulator:
         df = df.loc[df["event_timestamp"] < self.cutoff, ["user_id", "item_id", "event_timestamp"]]
         df = df.sort_values(["user_id", "event_timestamp", "item_id"], kind="stable")
         recent = df.loc[df["event_timestamp"] >= self.cutoff - pd.Timedelta(hours=cfg.popularity_hours)]
-        pop = recent["item_id"].value_counts()
-        if len(pop) < cfg.n_candidates:          # quiet window: fall back to all-time popularity
-            pop = pd.concat([pop, df["item_id"].value_counts().drop(pop.index, errors="ignore")])
-        pop = pop.rename("count").reset_index().sort_values(["count", "item_id"], ascending=[False, True])
+        # Items seen in the window first (by count there), then the rest of the log (by all-time count).
+        pop = pd.concat([recent["item_id"].value_counts().rename("count").reset_index().assign(tier=0),
+                         df["item_id"].value_counts().rename("count").reset_index().assign(tier=1)])
+        pop = pop.drop_duplicates("item_id", keep="first")
+        pop = pop.sort_values(["tier", "count", "item_id"], ascending=[True, False, True])
         self.popular = pop["item_id"].to_numpy()[: cfg.n_candidates]
         self.covisit = self._covisit(df)
         last = df.drop_duplicates(["user_id", "item_id"], keep="last")

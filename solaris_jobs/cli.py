@@ -18,7 +18,18 @@ def _echo_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+class _Group(click.Group):
+    """Turns input errors (bad data, bad arguments) into one clear line and exit code 1, not a traceback."""
+
+    def invoke(self, ctx):
+        from solaris_jobs.events import DataContractError
+        try:
+            return super().invoke(ctx)
+        except (DataContractError, ValueError, FileNotFoundError) as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
                                                                 case_sensitive=False))
 def main(log_level: str) -> None:

@@ -83,13 +83,14 @@ class EventIndex:
         rat = events.column("rating").to_numpy(zero_copy_only=False)
         rat = np.where(pd.isna(rat), 0, rat).astype(np.int8)
         self.times = np.unique(t)                          # distinct timestamps, for rank keys
-        order = np.lexsort((t, u))
+        # Full sort key, so the order never depends on the input's row order (ties broken by item, label).
+        order = np.lexsort((rat, lab, i, t, u))
         self.u, self.i, self.t, self.label, self.rating = u[order], i[order], t[order], lab[order], rat[order]
         self.signal = np.where(self.rating > 0, self.rating, np.where(self.label == 1, 7, 6)).astype(np.int64)
         self.u_key = self.u * len(self.times) + np.searchsorted(self.times, self.t)
         self.cum_known = np.concatenate([[0], np.cumsum(self.label >= 0)])
         self.cum_pos = np.concatenate([[0], np.cumsum(self.label == 1)])
-        iorder = np.lexsort((t, i))
+        iorder = np.lexsort((lab, u, t, i))
         self.item_sorted = i[iorder]
         self.i_key = i[iorder] * len(self.times) + np.searchsorted(self.times, t[iorder])
         ilab = lab[iorder]
@@ -209,3 +210,22 @@ class Examples:
             np.random.default_rng(shuffle_seed).shuffle(order)
         for s in range(0, len(order), batch_size):
             yield self.batch(order[s: s + batch_size])
+
+
+def history_examples(users: np.ndarray, items: np.ndarray, at_us: int, hist_user: np.ndarray, hist_item: np.ndarray,
+                     hist_ts: np.ndarray, hist_label: np.ndarray, hist_rating: np.ndarray,
+                     history_len: int) -> Examples:
+    """Examples for (user, item) queries at one time from flat per-user history rows (the Spark inference path).
+
+    The history rows go through the same ``EventIndex`` as training, so inputs are built by one piece of code.
+    Label -1 and rating 0 mean unknown.
+    """
+    table = pa.table({
+        "user_id": pa.array(hist_user, pa.int64()), "item_id": pa.array(hist_item, pa.int64()),
+        "event_timestamp": pa.array(hist_ts.astype(np.int64), pa.timestamp("us", tz="UTC")),
+        "label": pa.array(np.where(hist_label < 0, None, hist_label), pa.int8(), from_pandas=True),
+        "rating": pa.array(np.where(hist_rating <= 0, np.nan, hist_rating).astype(np.float32), from_pandas=True),
+    })
+    n = len(users)
+    return Examples(EventIndex(table), np.asarray(users, np.int64), np.asarray(items, np.int64),
+                    np.full(n, at_us, np.int64), np.full(n, -1, np.float32), np.zeros(n, np.float32), history_len)

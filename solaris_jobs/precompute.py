@@ -1,0 +1,452 @@
+"""Speculative precomputation as Spark transforms: candidates, verifier, negative exclusion, selection, FM
+inference, user aggregates and neighbour embeddings.
+
+Every transform takes DataFrames and scalars (never a session or a path) so that it is testable on a few rows;
+the entry points in ``spark_jobs/`` do the reading and writing. Time: a run prepares interval ``[start, end)``
+after it closes; T = ``end`` is the cutoff. Everything is computed from events with ``event_timestamp < T``
+(and ``>= T - lookback_days`` where a bound is set); embeddings are stamped with T.
+
+Model scoring runs on executors with ``mapInPandas``: each Python worker loads a checkpoint once (cached by path
+and modification time) and scores Arrow batches; nothing is collected to the driver except the FAISS step in
+``solaris_jobs.neighbours``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from solaris_jobs.candidates import SimulatorConfig
+
+logger = logging.getLogger(__name__)
+
+_MODELS: dict = {}
+
+
+@dataclass(frozen=True)
+class PrecomputeConfig:
+    """Settings of one refresh (CLI options and DAG params map onto these fields).
+
+    Attributes:
+        simulator: candidate-set sizes and windows of the request simulator.
+        active_hours: users with an event in ``[T - active_hours, T)`` are expected to be served soon.
+        lookback_days: history, counters and co-visitation read events in ``[T - lookback_days, T)``
+            (None: the whole log before T).
+        select_share: share of scored pairs sent to the FM.
+        select_scope: ``user`` (top share of each user's candidates, at least one) or ``global`` (top share of
+            all pairs by verifier score).
+        exclusion_runs: K; a pair in the bottom ``exclusion_share`` of its user's candidates in each of the last
+            K runs is skipped before scoring (0 disables).
+        miss_hours: serving misses recorded in ``[T - miss_hours, T)`` are forced into the selection.
+        history_len: FM history length L (must match the FM).
+        batch_size: rows per model batch on executors.
+        aggregate_hours: window of the user aggregate.
+        knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search.
+        torch_threads: torch threads per Spark task.
+    """
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+    active_hours: float = 168.0
+    lookback_days: float | None = 30.0
+    select_share: float = 0.2
+    select_scope: str = "user"
+    exclusion_runs: int = 3
+    exclusion_share: float = 0.5
+    miss_hours: float = 24.0
+    history_len: int = 50
+    batch_size: int = 1024
+    device: str = "auto"
+    aggregate_hours: float = 24.0
+    knn_k: int = 10
+    knn_exact_max: int = 100_000
+    torch_threads: int = 1
+
+    def __post_init__(self):
+        if self.select_scope not in ("user", "global"):
+            raise ValueError(f"select_scope must be 'user' or 'global', got {self.select_scope!r}")
+        if not 0 < self.select_share <= 1:
+            raise ValueError(f"select_share must be in (0, 1], got {self.select_share}")
+
+
+# ----------------------------------------------------------------------------------------------- events
+
+def prior_events(events, cutoff, lookback_days: float | None):
+    """Events strictly before ``cutoff`` (and not older than ``lookback_days``)."""
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    out = events.where(F.col("event_timestamp") < F.lit(t))
+    if lookback_days is not None:
+        out = out.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(days=lookback_days).to_pytimedelta()))
+    return out
+
+
+def active_users(prior, cutoff, hours: float, misses=None):
+    """Users with an event in ``[cutoff - hours, cutoff)``, plus users of recorded misses."""
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    users = prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=hours).to_pytimedelta())) \
+        .select("user_id")
+    if misses is not None:
+        users = users.unionByName(misses.select("user_id"))
+    return users.distinct()
+
+
+# ----------------------------------------------------------------------------------------------- candidates
+
+def popular_items(prior, cutoff, cfg: SimulatorConfig):
+    """The ``n_candidates`` most popular items (small: one row per item), as ``RequestSimulator.popular``."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    recent = prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=cfg.popularity_hours)
+                                                           .to_pytimedelta()))
+    counts = recent.groupBy("item_id").count().withColumn("tier", F.lit(0)).unionByName(
+        prior.groupBy("item_id").count().withColumn("tier", F.lit(1)))
+    first = Window.partitionBy("item_id").orderBy("tier")
+    order = Window.orderBy("tier", F.desc("count"), "item_id")
+    return (counts.withColumn("k", F.row_number().over(first)).where("k = 1")
+            .withColumn("rank", F.row_number().over(order) - 1).where(F.col("rank") < cfg.n_candidates)
+            .select("item_id", "rank"))
+
+
+def covisitation(prior, cfg: SimulatorConfig):
+    """Top ``covisit_top`` co-visited items per seed item (pairs within ``covisit_window`` positions)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("user_id").orderBy("event_timestamp", "item_id")
+    pairs = None
+    for lag in range(1, cfg.covisit_window + 1):
+        p = prior.select("user_id", "item_id", F.lag("item_id", lag).over(w).alias("prev")) \
+            .where(F.col("prev").isNotNull() & (F.col("prev") != F.col("item_id")))
+        both = p.select(F.col("item_id").alias("seed"), F.col("prev").alias("item_id")).unionByName(
+            p.select(F.col("prev").alias("seed"), "item_id"))
+        pairs = both if pairs is None else pairs.unionByName(both)
+    top = Window.partitionBy("seed").orderBy(F.desc("count"), "item_id")
+    return (pairs.groupBy("seed", "item_id").count().withColumn("k", F.row_number().over(top))
+            .where(F.col("k") <= cfg.covisit_top).drop("k"))
+
+
+def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig):
+    """The request simulator in Spark: for each user, what ``RequestSimulator(prior, cutoff).candidates`` gives.
+
+    Returns:
+        (user_id, item_id, source, retrieval_score), at most ``n_candidates`` distinct items per user.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    last = prior.groupBy("user_id", "item_id").agg(F.max("event_timestamp").alias("ts"))
+    seeds = (last.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
+                                                      .orderBy(F.desc("ts"), F.desc("item_id"))))
+             .where(F.col("k") <= cfg.history_items).select("user_id", F.col("item_id").alias("seed"))
+             .join(users, "user_id"))
+    cov = (seeds.join(covisitation(prior, cfg), "seed").groupBy("user_id", "item_id")
+           .agg(F.sum("count").alias("count")))
+    cov = (cov.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
+                                                   .orderBy(F.desc("count"), "item_id")))
+           .where(F.col("k") <= cfg.n_candidates - cfg.n_popular)
+           .select("user_id", "item_id", F.lit("covisit").alias("source"),
+                   F.log1p(F.col("count").cast("double")).cast("float").alias("retrieval_score")))
+    n_cov = cov.groupBy("user_id").agg(F.count("*").alias("n_cov"))
+    pop = popular_items(prior, cutoff, cfg)
+    n_pop = pop.count()
+    fill = (users.crossJoin(F.broadcast(pop)).join(cov.select("user_id", "item_id"), ["user_id", "item_id"],
+                                                   "left_anti")
+            .join(n_cov, "user_id", "left").fillna(0, ["n_cov"])
+            .withColumn("k", F.row_number().over(Window.partitionBy("user_id").orderBy("rank")) - 1)
+            .where(F.col("k") < cfg.n_candidates - F.col("n_cov"))
+            .select("user_id", "item_id", F.lit("popular").alias("source"),
+                    (-F.col("rank") / F.lit(max(n_pop, 1))).cast("float").alias("retrieval_score")))
+    return cov.unionByName(fill)
+
+
+# ----------------------------------------------------------------------------------------------- counters
+
+def counters(prior):
+    """Per-user and per-item (events, labelled events, positives) before T: the VM's and FM's counters."""
+    from pyspark.sql import functions as F
+
+    def agg(key, prefix):
+        return prior.groupBy(key).agg(F.count("*").cast("float").alias(f"{prefix}_cnt"),
+                                      F.count("label").cast("float").alias(f"{prefix}_known"),
+                                      F.sum(F.when(F.col("label") == 1, 1).otherwise(0)).cast("float")
+                                      .alias(f"{prefix}_pos"))
+    return agg("user_id", "user"), agg("item_id", "item")
+
+
+def with_counters(pairs, user_counts, item_counts):
+    zero = {f"{p}_{k}": 0.0 for p in ("user", "item") for k in ("cnt", "known", "pos")}
+    return pairs.join(user_counts, "user_id", "left").join(item_counts, "item_id", "left").fillna(zero)
+
+
+COUNTER_COLS = [f"{p}_{k}" for p in ("user", "item") for k in ("cnt", "known", "pos")]
+
+
+# ----------------------------------------------------------------------------------------------- models on executors
+
+def _load(path: str, kind: str, device: str, threads: int):
+    """A checkpoint loaded once per Python worker (keyed by path and modification time)."""
+    import torch
+
+    from models import load_checkpoint
+    from solaris_jobs.training import resolve_device
+    key = (str(path), os.path.getmtime(path), kind, device)
+    if key not in _MODELS:
+        torch.set_num_threads(threads)
+        dev = resolve_device(device)
+        model, meta = load_checkpoint(path, map_location=dev, kind=kind)
+        _MODELS[key] = (model.to(dev), meta, dev)
+    return _MODELS[key]
+
+
+def model_version(path: str, kind: str) -> str:
+    """Reads the version of a checkpoint on the driver."""
+    from models import load_checkpoint
+    return load_checkpoint(path, kind=kind)[1]["model_version"]
+
+
+def score_pairs(pairs, vm_path: str, cfg: PrecomputeConfig):
+    """Adds ``vm_score`` (the verifier: the current VM without FM features) to pairs with counter columns."""
+    from pyspark.sql.types import FloatType, StructField, StructType
+
+    schema = StructType(list(pairs.schema.fields) + [StructField("vm_score", FloatType())])
+    batch_size, device, threads = cfg.batch_size, cfg.device, cfg.torch_threads
+
+    def score(frames):
+        import torch
+
+        from models import batch_to_tensors
+        vm, _, dev = _load(vm_path, "vm", device, threads)
+        for pdf in frames:
+            scores = np.empty(len(pdf), np.float32)
+            for s in range(0, len(pdf), batch_size):
+                part = pdf.iloc[s: s + batch_size]
+                b = {"user": part["user_id"].to_numpy(), "item": part["item_id"].to_numpy(),
+                     **{c: part[c].to_numpy(np.float32) for c in COUNTER_COLS}}
+                with torch.inference_mode():
+                    scores[s: s + len(part)] = torch.sigmoid(vm(batch_to_tensors(b, dev))["logit"]).cpu().numpy()
+            yield pdf.assign(vm_score=scores)
+
+    return pairs.mapInPandas(score, schema)
+
+
+# ----------------------------------------------------------------------------------------------- exclusion, selection
+
+def exclude_negatives(scored_pairs, past_bottoms, runs: int):
+    """Negative exclusion filtering: drops pairs that were in their user's bottom share in each of the last
+    ``runs`` runs.
+
+    Args:
+        scored_pairs: candidate pairs of this run (before scoring).
+        past_bottoms: (run, user_id, item_id) of the bottom pairs of the last ``runs`` runs (None: no history).
+        runs: K; 0 disables.
+
+    Returns:
+        (kept pairs, excluded pairs (user_id, item_id)).
+    """
+    from pyspark.sql import functions as F
+    if not runs or past_bottoms is None:
+        return scored_pairs, scored_pairs.limit(0).select("user_id", "item_id")
+    always = (past_bottoms.groupBy("user_id", "item_id").agg(F.countDistinct("run").alias("n"))
+              .where(F.col("n") >= runs).select("user_id", "item_id"))
+    excluded = scored_pairs.join(always, ["user_id", "item_id"], "left_semi").select("user_id", "item_id")
+    return scored_pairs.join(always, ["user_id", "item_id"], "left_anti"), excluded
+
+
+def select_pairs(scored, share: float, scope: str, bottom_share: float):
+    """Marks the pairs sent to the FM (``selected``) and those in the user's bottom share (``bottom``).
+
+    Per user: the top ``ceil(share * n)`` of the user's n candidates (at least one). Global: pairs whose score is
+    at least the (1 - share) quantile of all scores. Ties break by item id.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    by_user = Window.partitionBy("user_id")
+    ranked = (scored.withColumn("n", F.count("*").over(by_user))
+              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
+    ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    if scope == "user":
+        sel = F.col("rank") <= F.greatest(F.lit(1), F.ceil(F.col("n") * F.lit(share)))
+    else:
+        threshold = scored.approxQuantile("vm_score", [1.0 - share], 1e-4)
+        sel = F.col("vm_score") >= F.lit(threshold[0] if threshold else 0.0)
+    return ranked.withColumn("selected", sel).drop("n")
+
+
+def force_misses(selection, misses):
+    """Adds missed pairs (user_id, item_id) to the selection as ``source = 'miss'``, selected."""
+    from pyspark.sql import functions as F
+    if misses is None:
+        return selection
+    extra = (misses.select("user_id", "item_id").distinct()
+             .join(selection.where("selected").select("user_id", "item_id"), ["user_id", "item_id"], "left_anti"))
+    base = selection.join(extra, ["user_id", "item_id"], "left_anti")
+    forced = extra.join(selection.drop("selected"), ["user_id", "item_id"], "left")
+    forced = (forced.withColumn("source", F.lit("miss")).withColumn("selected", F.lit(True))
+              .withColumn("bottom", F.coalesce(F.col("bottom"), F.lit(False))))
+    return base.unionByName(forced, allowMissingColumns=True)
+
+
+# ----------------------------------------------------------------------------------------------- FM inference
+
+def user_histories(prior, history_len: int):
+    """Each user's last ``history_len`` events before T as parallel arrays sorted by time (oldest first)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("user_id").orderBy(F.desc("event_timestamp"), F.desc("item_id"), F.desc("label"),
+                                              F.desc("rating"))
+    last = prior.withColumn("k", F.row_number().over(w)).where(F.col("k") <= history_len)
+    rows = F.sort_array(F.collect_list(F.struct(
+        F.unix_micros("event_timestamp").alias("ts"), F.col("item_id").alias("item"),
+        F.coalesce(F.col("label").cast("int"), F.lit(-1)).alias("label"),
+        F.coalesce(F.col("rating").cast("int"), F.lit(0)).alias("rating"))))
+    return last.groupBy("user_id").agg(rows.alias("h")).select(
+        "user_id", *[F.col("h")[f].alias(f"hist_{f}") for f in ("ts", "item", "label", "rating")])
+
+
+HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
+
+
+def _examples(pdf: pd.DataFrame, at_us: int, history_len: int):
+    from solaris_jobs.features import history_examples
+    first = pdf.drop_duplicates("user_id")
+    lens = np.array([0 if h is None else len(h) for h in first["hist_item"]], dtype=np.int64)
+
+    def flat(col, dtype):
+        parts = [np.asarray(h, dtype) for h in first[col] if h is not None and len(h)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+    return history_examples(pdf["user_id"].to_numpy(), pdf["item_id"].to_numpy() if "item_id" in pdf else
+                            np.zeros(len(pdf), np.int64), at_us,
+                            np.repeat(first["user_id"].to_numpy(), lens), flat("hist_item", np.int64),
+                            flat("hist_ts", np.int64), flat("hist_label", np.int64), flat("hist_rating", np.int64),
+                            history_len)
+
+
+def embed_pairs(pairs, fm_path: str, ae_path: str, cutoff, cfg: PrecomputeConfig, version: str):
+    """Pair embeddings: FM interaction embedding -> autoencoder code, in the pair-embedding contract.
+
+    Args:
+        pairs: (user_id, item_id, counter columns, history arrays) — see ``with_counters`` and
+            ``user_histories``.
+        version: model version written with each row (``<fm version>+<ae version>``).
+
+    Returns:
+        (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version).
+    """
+    from pyspark.sql.types import (ArrayType, FloatType, LongType, StringType, StructField, StructType,
+                                   TimestampType)
+    schema = StructType([StructField("user_id", LongType()), StructField("item_id", LongType()),
+                         StructField("embedding", ArrayType(FloatType())),
+                         StructField("event_timestamp", TimestampType()), StructField("model_version", StringType())])
+    at = pd.Timestamp(cutoff)
+    at_us = at.value // 1000
+    batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+
+    def embed(frames):
+        import torch
+
+        from models import batch_to_tensors
+        fm, _, dev = _load(fm_path, "fm", device, threads)
+        ae, _, _ = _load(ae_path, "ae", device, threads)
+        for pdf in frames:
+            for s in range(0, len(pdf), batch_size):
+                part = pdf.iloc[s: s + batch_size]
+                ex = _examples(part, at_us, L)
+                b = ex.batch(np.arange(len(part)))
+                b.update({c: part[c].to_numpy(np.float32) for c in COUNTER_COLS})
+                with torch.inference_mode():
+                    code = ae.encode(fm(batch_to_tensors(b, dev))["h"]).float().cpu().numpy()
+                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "item_id": part["item_id"].to_numpy(),
+                                    "embedding": list(code), "event_timestamp": at, "model_version": version})
+
+    return pairs.mapInPandas(embed, schema)
+
+
+def embed_users(users_with_history, fm_path: str, cutoff, cfg: PrecomputeConfig):
+    """FM user-level embeddings (no target) for (user_id, history arrays): (user_id, vector array<float>)."""
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
+    schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType()))])
+    at_us = pd.Timestamp(cutoff).value // 1000
+    batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+
+    def embed(frames):
+        import torch
+
+        from models import batch_to_tensors
+        fm, _, dev = _load(fm_path, "fm", device, threads)
+        for pdf in frames:
+            for s in range(0, len(pdf), batch_size):
+                part = pdf.iloc[s: s + batch_size]
+                b = _examples(part, at_us, L).batch(np.arange(len(part)))
+                with torch.inference_mode():
+                    vec = fm.user_embedding(batch_to_tensors(b, dev)).float().cpu().numpy()
+                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "vector": list(vec)})
+
+    return users_with_history.mapInPandas(embed, schema)
+
+
+# ----------------------------------------------------------------------------------------------- aggregates
+
+def mean_embedding(df, key: str, weight: str | None = None):
+    """Per ``key``, the (weighted) element-wise mean of ``embedding`` arrays: (key, embedding, n)."""
+    from pyspark.sql import functions as F
+    w = F.col(weight) if weight else F.lit(1.0)
+    exploded = df.select(key, w.alias("_w"), F.posexplode("embedding").alias("pos", "v"))
+    per_pos = (exploded.groupBy(key, "pos")
+               .agg((F.sum(F.col("v") * F.col("_w")) / F.sum("_w")).cast("float").alias("v"),
+                    F.count("*").alias("n")))
+    return per_pos.groupBy(key).agg(
+        F.transform(F.sort_array(F.collect_list(F.struct("pos", "v"))), lambda x: x["v"]).alias("embedding"),
+        F.max("n").alias("n"))
+
+
+def user_aggregates(pair_embeddings, cutoff, hours: float, version: str):
+    """User aggregates: mean of each user's pair embeddings stamped in ``(cutoff - hours, cutoff]``.
+
+    A pair embedded by several runs in the window counts once (its latest embedding). Only ``version`` rows.
+
+    Returns:
+        (user_id, embedding, n_pairs, event_timestamp = cutoff, model_version).
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    recent = pair_embeddings.where(
+        (F.col("event_timestamp") > F.lit(t - pd.Timedelta(hours=hours).to_pytimedelta()))
+        & (F.col("event_timestamp") <= F.lit(t)) & (F.col("model_version") == version))
+    latest = (recent.withColumn("k", F.row_number().over(Window.partitionBy("user_id", "item_id")
+                                                         .orderBy(F.desc("event_timestamp"))))
+              .where("k = 1"))
+    agg = mean_embedding(latest, "user_id")
+    return agg.select("user_id", "embedding", F.col("n").cast("int").alias("n_pairs"),
+                      F.lit(t).cast("timestamp").alias("event_timestamp"), F.lit(version).alias("model_version"))
+
+
+def neighbour_embeddings(neighbours, aggregates, cutoff, version: str):
+    """Similarity-weighted mean of the neighbours' aggregates.
+
+    Args:
+        neighbours: (user_id, neighbour_ids array<long>, similarities array<float>).
+        aggregates: user aggregates (user_id, embedding, ...), this model version.
+
+    Returns:
+        (user_id, neighbour_ids, similarities, embedding, n_neighbours (those with an aggregate),
+        event_timestamp = cutoff, model_version); users none of whose neighbours has an aggregate get no row.
+    """
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    pairs = neighbours.select("user_id", F.explode(F.arrays_zip("neighbour_ids", "similarities")).alias("z")) \
+        .select("user_id", F.col("z.neighbour_ids").alias("nb"), F.col("z.similarities").alias("sim")) \
+        .where(F.col("sim") > 0)
+    joined = pairs.join(aggregates.select(F.col("user_id").alias("nb"), "embedding"), "nb")
+    n = joined.groupBy("user_id").agg(F.count("*").cast("int").alias("n_neighbours"))
+    emb = mean_embedding(joined, "user_id", weight="sim").drop("n")
+    return (neighbours.join(emb, "user_id").join(n, "user_id")
+            .withColumn("event_timestamp", F.lit(t).cast("timestamp")).withColumn("model_version", F.lit(version)))
+
+
+def safe_share(part: int, whole: int) -> float:
+    return part / whole if whole else math.nan
