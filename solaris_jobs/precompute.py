@@ -117,13 +117,11 @@ def covisitation(prior, cfg: SimulatorConfig):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     w = Window.partitionBy("user_id").orderBy("event_timestamp", "item_id")
-    pairs = None
-    for lag in range(1, cfg.covisit_window + 1):
-        p = prior.select("user_id", "item_id", F.lag("item_id", lag).over(w).alias("prev")) \
-            .where(F.col("prev").isNotNull() & (F.col("prev") != F.col("item_id")))
-        both = p.select(F.col("item_id").alias("seed"), F.col("prev").alias("item_id")).unionByName(
-            p.select(F.col("prev").alias("seed"), "item_id"))
-        pairs = both if pairs is None else pairs.unionByName(both)
+    lags = F.array(*[F.lag("item_id", lag).over(w) for lag in range(1, cfg.covisit_window + 1)])
+    p = (prior.select("item_id", lags.alias("prevs")).select("item_id", F.explode("prevs").alias("prev"))
+         .where(F.col("prev").isNotNull() & (F.col("prev") != F.col("item_id"))))
+    pairs = p.select(F.col("item_id").alias("seed"), F.col("prev").alias("item_id")).unionByName(
+        p.select(F.col("prev").alias("seed"), "item_id"))
     top = Window.partitionBy("seed").orderBy(F.desc("count"), "item_id")
     return (pairs.groupBy("seed", "item_id").count().withColumn("k", F.row_number().over(top))
             .where(F.col("k") <= cfg.covisit_top).drop("k"))

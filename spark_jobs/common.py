@@ -47,6 +47,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--history-len", type=int, default=50)
     p.add_argument("--knn-k", type=int, default=10)
     p.add_argument("--device", default="auto")
+    p.add_argument("--stats-out", default=None, help="Also write the job's stats (JSON) to this local file.")
     return p
 
 
@@ -70,10 +71,14 @@ def entry(run, description: str, argv=None) -> dict:
 
     from solaris_jobs.spark import spark_session
     logging.basicConfig(level=os.environ.get("SOLARIS_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     ns = parser(description).parse_args(argv)
     job, cfg = config(ns)
     spark = spark_session(f"solaris-{run.__module__.rsplit('.', 1)[-1]}", ns.master)
     stats = run(spark, job, cfg)
-    print(json.dumps(stats, indent=2, sort_keys=True, default=str))
+    text = json.dumps(stats, indent=2, sort_keys=True, default=str)
+    if ns.stats_out:
+        with open(ns.stats_out, "w") as f:
+            f.write(text + "\n")
+    print(text)
     return stats

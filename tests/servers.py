@@ -1,0 +1,92 @@
+"""Real servers for the tests, each on 127.0.0.1 and a free port picked at run time, stopped afterwards."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(predicate, timeout: float, what: str, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise RuntimeError(f"{what} did not come up within {timeout:.0f}s\n{tail}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stops a server started in its own process group (SIGTERM, then SIGKILL)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+class SparkStandalone:
+    """A Spark standalone master and one worker on loopback: a real cluster deployment on one machine."""
+
+    def __init__(self, workdir: Path, cores: int = 2, memory: str = "2g"):
+        self.workdir = workdir
+        self.port, self.ui, self.worker_ui = free_port(), free_port(), free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.cores, self.memory = cores, memory
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self) -> dict:
+        return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_MASTER_HOST": "127.0.0.1",
+                "SPARK_WORKER_DIR": str(self.workdir / "work"), "SPARK_LOG_DIR": str(self.workdir / "logs"),
+                "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+    def _start(self, cls: str, args: list[str], log: Path) -> subprocess.Popen:
+        spark_class = shutil.which("spark-class", path=str(Path(sys.executable).parent))
+        if spark_class is None:
+            raise RuntimeError("spark-class not found beside the interpreter: is pyspark installed in this venv?")
+        out = open(log, "w")
+        proc = subprocess.Popen([spark_class, cls, *args], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def __enter__(self):
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        mlog, wlog = self.workdir / "master.log", self.workdir / "worker.log"
+        self._start("org.apache.spark.deploy.master.Master",
+                    ["--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui)], mlog)
+        _wait_for(lambda: "I have been elected leader" in mlog.read_text(), 90, "Spark master", mlog)
+        self._start("org.apache.spark.deploy.worker.Worker",
+                    [self.url, "--host", "127.0.0.1", "--webui-port", str(self.worker_ui), "--cores",
+                     str(self.cores), "--memory", self.memory, "--work-dir", str(self.workdir / "work")], wlog)
+        _wait_for(lambda: "Successfully registered with master" in wlog.read_text(), 90, "Spark worker", wlog)
+        return self
+
+    def submit(self, script: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+        submit = str(Path(sys.executable).parent / "spark-submit")
+        cmd = [submit, "--master", self.url, "--conf", f"spark.pyspark.python={sys.executable}",
+               "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+               "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
+               "--executor-memory", "1g", script, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=self.env(), timeout=timeout)
+
+    def __exit__(self, *exc):
+        for p in reversed(self.procs):
+            stop(p)

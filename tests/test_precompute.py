@@ -1,0 +1,169 @@
+"""The Spark precompute jobs on real MovieLens-100K and small synthetic data, with one shared Spark session."""
+import datetime as dt
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from models import load_checkpoint
+from solaris_jobs import events as ev
+from solaris_jobs import offline as off
+from solaris_jobs import precompute as pc
+from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
+from solaris_jobs.features import EventIndex, Examples
+from solaris_jobs.spark import read_events
+from spark_jobs import refresh
+from spark_jobs.common import JobArgs
+from tests.conftest import ML_CFG, ML_END
+
+
+def _utc(ts):
+    return pd.Timestamp(ts).tz_localize("UTC") if pd.Timestamp(ts).tzinfo is None else pd.Timestamp(ts)
+
+
+def _read(spark, job, dataset):
+    return off.read_interval(spark, job.offline, dataset, ML_END).toPandas()
+
+
+def test_spark_candidates_equal_the_request_simulator(spark, movielens_root):
+    cfg = SimulatorConfig(n_candidates=40, n_popular=15, covisit_window=2, covisit_top=20)
+    T = pd.Timestamp("1998-02-01T00:00:00Z")
+    prior = pc.prior_events(read_events(spark, str(movielens_root), end=T), T, None).cache()
+    users = pc.active_users(prior, T, 24 * 7)
+    got = pc.candidate_pairs(prior, users, T, cfg).toPandas()
+    ids = sorted(users.toPandas()["user_id"])
+    assert len(ids) > 20
+    ref = RequestSimulator(ev.read_events(movielens_root, end=T), T, cfg).candidates(ids)
+    key = ["user_id", "item_id"]
+    got, ref = got.sort_values(key).reset_index(drop=True), ref.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got[key + ["source"]], ref[key + ["source"]])
+    np.testing.assert_allclose(got["retrieval_score"], ref["retrieval_score"], rtol=1e-6)
+    assert got.groupby("user_id").size().max() == 40
+
+
+def test_selection_exclusion_and_misses_hand_checked(spark):
+    scored = spark.createDataFrame(pd.DataFrame({
+        "user_id": [1, 1, 1, 1, 1, 2, 2],
+        "item_id": [10, 11, 12, 13, 14, 10, 15],
+        "vm_score": np.array([0.9, 0.8, 0.1, 0.5, 0.2, 0.3, 0.7], np.float32),
+        "source": "covisit"}))
+    sel = pc.select_pairs(scored, 0.4, "user", 0.5).toPandas().set_index(["user_id", "item_id"])
+    # User 1: 5 candidates -> ceil(0.4 * 5) = 2 selected (0.9, 0.8); bottom floor(0.5 * 5) = 2 (0.2, 0.1).
+    assert sorted(sel.index[sel["selected"]]) == [(1, 10), (1, 11), (2, 15)]
+    assert sorted(sel.index[sel["bottom"]]) == [(1, 12), (1, 14), (2, 10)]
+    glob = pc.select_pairs(scored, 0.3, "global", 0.5).toPandas()
+    assert sorted(glob.loc[glob["selected"], "item_id"]) == [10, 11, 15]        # top 30% of 7 scores
+    t1, t2 = dt.datetime(2026, 1, 1, 1), dt.datetime(2026, 1, 1, 2)
+    bottoms = spark.createDataFrame(pd.DataFrame({"run": [t1, t2, t2, t1], "user_id": [1, 1, 1, 2],
+                                                  "item_id": [12, 12, 14, 10]}))
+    kept, excluded = pc.exclude_negatives(scored.drop("vm_score"), bottoms, runs=2)
+    # Only (1, 12) was in the bottom share in both of the last two runs.
+    assert sorted(map(tuple, excluded.toPandas().to_numpy())) == [(1, 12)]
+    assert kept.count() == 6
+    misses = spark.createDataFrame(pd.DataFrame({"user_id": [1, 3], "item_id": [13, 99]}))
+    forced = pc.force_misses(pc.select_pairs(scored, 0.4, "user", 0.5), misses).toPandas()
+    forced = forced.set_index(["user_id", "item_id"])
+    assert forced.loc[(1, 13), "selected"] and forced.loc[(1, 13), "source"] == "miss"
+    assert forced.loc[(3, 99), "selected"] and len(forced) == 8
+
+
+def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_root, ml_models):
+    job, stats = ml_run
+    assert stats["select"]["pairs_selected"] == stats["embed"]["pairs"] > 100
+    got = _read(spark, job, "pair_embeddings").sort_values(["user_id", "item_id"]).reset_index(drop=True)
+    fm, fm_meta = load_checkpoint(ml_models / "fm.pt", kind="fm")
+    ae, ae_meta = load_checkpoint(ml_models / "ae.pt", kind="ae")
+    assert set(got["model_version"]) == {f"{fm_meta['model_version']}+{ae_meta['model_version']}"}
+    assert (got["event_timestamp"].map(_utc) == ML_END).all()
+    # Reference: the training code path over the whole log (it only looks before T).
+    table = ev.read_events(movielens_root)
+    n = len(got)
+    ex = Examples(EventIndex(table), got["user_id"].to_numpy(), got["item_id"].to_numpy(),
+                  np.full(n, ML_END.value // 1000), np.full(n, -1.0, np.float32), np.zeros(n, np.float32), 10)
+    from models import batch_to_tensors
+    with torch.inference_mode():
+        ref = ae.encode(fm(batch_to_tensors(ex.batch(np.arange(n))))["h"]).numpy()
+    np.testing.assert_allclose(np.stack(got["embedding"]), ref, rtol=1e-4, atol=1e-5)
+    # Selected pairs are the top 20% of each user's scored candidates.
+    sel = _read(spark, job, "selection")
+    per_user = sel.groupby("user_id").agg(n=("item_id", "size"), s=("selected", "sum"))
+    assert (per_user["s"] == np.maximum(1, np.ceil(per_user["n"] * 0.2))).all()
+    top = sel.sort_values(["user_id", "vm_score", "item_id"], ascending=[True, False, True])
+    assert (top.groupby("user_id")["selected"].apply(lambda s: s.is_monotonic_decreasing)).all()
+
+
+def test_user_aggregates_and_neighbours_equal_pandas(spark, ml_run):
+    job, stats = ml_run
+    pairs = _read(spark, job, "pair_embeddings")
+    agg = _read(spark, job, "user_aggregates").set_index("user_id").sort_index()
+    ref = pairs.groupby("user_id")["embedding"].apply(lambda s: np.mean(np.stack(s), 0))
+    assert list(agg.index) == list(ref.index)
+    np.testing.assert_allclose(np.stack(agg["embedding"]), np.stack(ref.to_numpy()), rtol=1e-5, atol=1e-6)
+    assert (agg["n_pairs"] == pairs.groupby("user_id").size().sort_index()).all()
+    nb = _read(spark, job, "neighbours").set_index("user_id")
+    assert stats["neighbours"]["knn"]["index"] == "exact" and len(nb) > 0
+    for user, row in nb.head(20).iterrows():
+        w = [(s, agg.loc[n, "embedding"]) for n, s in zip(row["neighbour_ids"], row["similarities"])
+             if n in agg.index and s > 0]
+        expect = sum(s * np.asarray(e) for s, e in w) / sum(s for s, _ in w)
+        np.testing.assert_allclose(row["embedding"], expect, rtol=1e-4, atol=1e-5)
+        assert row["n_neighbours"] == len(w) and user not in row["neighbour_ids"]
+
+
+def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run):
+    job, _ = ml_run
+    before = {d: _read(spark, job, d) for d in off.DATASETS}
+    refresh.run(spark, job, ML_CFG)
+    for d, old in before.items():
+        new = _read(spark, job, d)
+        key = [c for c in ("user_id", "item_id") if c in old.columns]
+        a = old.sort_values(key).reset_index(drop=True)
+        b = new.sort_values(key).reset_index(drop=True)
+        assert a.shape == b.shape, d
+        for c in a.columns:
+            assert a[c].map(lambda v: v.tolist() if hasattr(v, "tolist") else v).tolist() == \
+                b[c].map(lambda v: v.tolist() if hasattr(v, "tolist") else v).tolist(), (d, c)
+    assert off.list_intervals(spark, job.offline, "selection") == [ML_END]
+
+
+def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):
+    T = dt.datetime(2026, 1, 2, 0)
+    rows = [  # user, item, embedding, hours before T, version
+        (1, 10, [1.0, 0.0], 2, "v1"), (1, 10, [3.0, 0.0], 1, "v1"),     # same pair twice: the latest counts
+        (1, 11, [0.0, 2.0], 5, "v1"), (1, 12, [9.0, 9.0], 30, "v1"),    # outside the 24 h window
+        (1, 13, [5.0, 5.0], 1, "v0"), (2, 10, [1.0, 1.0], 0, "v1")]     # another model version
+    df = spark.createDataFrame(pd.DataFrame({
+        "user_id": [r[0] for r in rows], "item_id": [r[1] for r in rows],
+        "embedding": [np.array(r[2], np.float32) for r in rows],
+        "event_timestamp": [T - dt.timedelta(hours=r[3]) for r in rows], "model_version": [r[4] for r in rows]}),
+        "user_id long, item_id long, embedding array<float>, event_timestamp timestamp, model_version string")
+    got = pc.user_aggregates(df, pd.Timestamp(T, tz="UTC"), 24, "v1").toPandas().set_index("user_id")
+    assert got.loc[1, "embedding"].tolist() == [1.5, 1.0] and got.loc[1, "n_pairs"] == 2
+    assert got.loc[2, "embedding"].tolist() == [1.0, 1.0]
+
+
+def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root, synth_models, tmp_path):
+    cfg = pc.PrecomputeConfig(history_len=10, exclusion_runs=2, exclusion_share=0.5, active_hours=48,
+                              simulator=SimulatorConfig(n_candidates=30, n_popular=10))
+    offline = str(tmp_path / "off")
+    start = pd.Timestamp("2026-01-06T00:00:00Z")
+    stats = []
+    from spark_jobs import select_candidates
+    for h in range(3):
+        s, e = start + pd.Timedelta(hours=h), start + pd.Timedelta(hours=h + 1)
+        stats.append(select_candidates.run(spark, JobArgs(str(synth_root), offline, str(synth_models),
+                                                          s.isoformat(), e.isoformat()), cfg))
+    assert [s["exclusion_history_runs"] for s in stats] == [0, 1, 2]
+    assert stats[0]["pairs_excluded"] == stats[1]["pairs_excluded"] == 0
+    third = stats[2]
+    assert third["pairs_excluded"] > 0
+    assert third["pairs_scored"] == third["pairs_considered"] - third["pairs_excluded"]
+    # The excluded pairs are exactly the candidates that were bottom in both earlier runs.
+    ends = off.list_intervals(spark, offline, "selection")
+    runs = [off.read_interval(spark, offline, "selection", e).toPandas() for e in ends]
+    both = set(map(tuple, runs[0].loc[runs[0]["bottom"], ["user_id", "item_id"]].to_numpy())) & \
+        set(map(tuple, runs[1].loc[runs[1]["bottom"], ["user_id", "item_id"]].to_numpy()))
+    scored_now = set(map(tuple, runs[2][["user_id", "item_id"]].to_numpy()))
+    assert not (both & scored_now)
+    assert third["pairs_excluded"] <= len(both)
