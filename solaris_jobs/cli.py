@@ -171,14 +171,105 @@ def train_vm(root, out, epochs, batch_size, lr, seed, history_len, device, max_t
 
 @main.command("demo")
 @click.option("--workdir", default="artifacts/demo", type=click.Path(file_okay=False),
-              help="Where data, checkpoints and the report go.")
+              help="Where data, checkpoints, the offline store and the report go.")
 @click.option("--seeds", default="0", help="Comma-separated seeds; metrics are averaged over them.")
 @click.option("--fm-epochs", default=3)
-def demo(workdir, seeds, fm_epochs) -> None:
-    """The main job on MovieLens-100K: data, FM, AE, VM / VM+KD / VM+FM embedding, and the comparison table."""
+@click.option("--intervals", default=3, help="Hourly intervals to refresh with the Spark jobs (0: none).")
+@click.option("--last-end", default="1998-03-01T00:00:00Z", help="End of the last refreshed interval.")
+@click.option("--master", default="local[2]", help="Spark master for the refresh.")
+def demo(workdir, seeds, fm_epochs, intervals, last_end, master) -> None:
+    """The main job on MovieLens-100K: data, FM, AE, VM / VM+KD / VM+FM embedding and their comparison table,
+    then the precompute pipeline (selection, FM inference, aggregates, neighbours) over a few hourly intervals."""
+    import pandas as pd
+
     from solaris_jobs.experiment import run_movielens
-    report = run_movielens(Path(workdir), [int(s) for s in seeds.split(",")], fm_epochs=fm_epochs)
+    workdir = Path(workdir)
+    seed_list = [int(s) for s in seeds.split(",")]
+    report = run_movielens(workdir, seed_list, fm_epochs=fm_epochs)
     click.echo(report["table"])
+    if intervals <= 0:
+        return
+    from solaris_jobs.candidates import SimulatorConfig
+    from solaris_jobs.precompute import PrecomputeConfig
+    from solaris_jobs.spark import spark_session
+    from spark_jobs import refresh
+    from spark_jobs.common import JobArgs
+    # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
+    cfg = PrecomputeConfig(active_hours=168, lookback_days=None, simulator=SimulatorConfig())
+    spark = spark_session("solaris-demo", master)
+    end = pd.Timestamp(last_end)
+    rows = []
+    for k in reversed(range(intervals)):
+        e = end - pd.Timedelta(hours=k)
+        job = JobArgs(str(workdir / "data"), str(workdir / "offline"), str(workdir / "models" / f"seed{seed_list[0]}"),
+                      (e - pd.Timedelta(hours=1)).isoformat(), e.isoformat())
+        st = refresh.run(spark, job, cfg)
+        rows.append((e, st))
+    click.echo(f"\nprecompute over {intervals} hourly interval(s), offline store {workdir / 'offline'}")
+    click.echo(f"{'interval end':26s} {'users':>6s} {'considered':>10s} {'excluded':>8s} {'selected':>8s} "
+               f"{'FM pairs/s':>10s} {'aggregates':>10s} {'neighbours':>10s}  seconds (select/embed/agg/nbr)")
+    for e, st in rows:
+        sel, emb = st["select"], st["embed"]
+        secs = "/".join(f"{st[k]['seconds']:.0f}" for k in ("select", "embed", "aggregate", "neighbours"))
+        click.echo(f"{e.isoformat():26s} {sel['users']:6d} {sel['pairs_considered']:10d} "
+                   f"{sel['pairs_excluded']:8d} {sel['pairs_selected']:8d} {emb['pairs_per_s']:10.0f} "
+                   f"{st['aggregate']['users']:10d} {st['neighbours']['users_with_neighbour_embedding']:10d}  {secs}")
+    spark.stop()
+
+
+def _job_command(name: str, steps: tuple, help_text: str):
+    """A click command whose options are the Spark entry points' (spark_jobs.common.parser), so they match."""
+    from spark_jobs.common import parser
+
+    def callback(**kw):
+        import argparse
+
+        import pandas as pd
+
+        from solaris_jobs.spark import spark_session
+        from spark_jobs import refresh
+        from spark_jobs.common import config
+        every = pd.Timedelta(kw.pop("every")) if kw.get("every") else None
+        kw.pop("every", None)
+        ns = argparse.Namespace(**kw)
+        job, cfg = config(ns)
+        start, end = pd.Timestamp(job.start), pd.Timestamp(job.end)
+        bounds = [start]
+        while every is not None and bounds[-1] + every < end:
+            bounds.append(bounds[-1] + every)
+        bounds.append(end)
+        spark = spark_session(f"solaris-{name}", ns.master)
+        results = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            one = type(job)(job.data, job.offline, job.models, s.isoformat(), e.isoformat())
+            results.append(refresh.run(spark, one, cfg, steps))
+        out = results[0] if len(results) == 1 else results
+        if ns.stats_out:
+            Path(ns.stats_out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        _echo_json(out)
+
+    params = []
+    for a in parser(help_text)._actions:
+        if not a.option_strings or a.dest == "help":
+            continue
+        kind = {float: float, int: int}.get(a.type, str)
+        params.append(click.Option(a.option_strings, required=a.required, default=a.default, type=kind,
+                                   help=a.help, show_default=a.default is not None))
+    params.append(click.Option(["--every"], default=None, help="Split [start, end) into intervals of this "
+                               "length (e.g. 1h) and run them in order."))
+    return click.Command(name, callback=callback, params=params, help=help_text)
+
+
+for _name, _steps, _help in [
+    ("select", ("select",), "Candidate selection for an interval: active users, request-simulator candidates, "
+                            "negative exclusion, verifier (VM) scores, top share selected."),
+    ("embed", ("embed",), "FM inference for an interval's selected pairs: FM + autoencoder code per pair."),
+    ("aggregate", ("aggregate",), "User aggregates for an interval: mean pair embedding of the trailing 24 h."),
+    ("neighbours", ("neighbours",), "FM user embeddings, FAISS top-k neighbours and neighbour embeddings."),
+    ("refresh", ("select", "embed", "aggregate", "neighbours"), "The whole refresh of an interval: select, "
+                                                                  "embed, aggregate, neighbours."),
+]:
+    main.add_command(_job_command(_name, _steps, _help))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 logger = logging.getLogger(__name__)
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)   # it logs each missing SIMD build at INFO
 
 
 def _exact(vectors: np.ndarray):

@@ -49,7 +49,7 @@ class PrecomputeConfig:
         torch_threads: torch threads per Spark task.
     """
     simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
-    active_hours: float = 168.0
+    active_hours: float = 24.0
     lookback_days: float | None = 30.0
     select_share: float = 0.2
     select_scope: str = "user"

@@ -36,17 +36,21 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--start", required=True, help="Interval start (UTC, inclusive).")
     p.add_argument("--end", required=True, help="Interval end (UTC, exclusive); the cutoff T.")
     p.add_argument("--master", default=None, help="Spark master (default: spark-submit's, or local[*]).")
-    p.add_argument("--select-share", type=float, default=0.2)
-    p.add_argument("--select-scope", choices=["user", "global"], default="user")
-    p.add_argument("--exclusion-runs", type=int, default=3)
-    p.add_argument("--exclusion-share", type=float, default=0.5)
-    p.add_argument("--active-hours", type=float, default=168.0)
-    p.add_argument("--lookback-days", type=float, default=30.0, help="0: the whole log before T.")
-    p.add_argument("--candidates", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=1024)
-    p.add_argument("--history-len", type=int, default=50)
-    p.add_argument("--knn-k", type=int, default=10)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--select-share", type=float, default=0.2, help="Share of scored pairs sent to the FM.")
+    p.add_argument("--select-scope", choices=["user", "global"], default="user",
+                   help="user: top share of each user's candidates; global: top share of all pairs.")
+    p.add_argument("--exclusion-runs", type=int, default=3,
+                   help="K: skip pairs in their user's bottom share in each of the last K runs (0: off).")
+    p.add_argument("--exclusion-share", type=float, default=0.5, help="The bottom share for negative exclusion.")
+    p.add_argument("--active-hours", type=float, default=24.0,
+                   help="Users with an event in the last this many hours before T are expected soon.")
+    p.add_argument("--lookback-days", type=float, default=30.0,
+                   help="History, counters and co-visitation read this many days before T (0: all).")
+    p.add_argument("--candidates", type=int, default=200, help="Request-simulator candidates per user.")
+    p.add_argument("--batch-size", type=int, default=1024, help="Rows per model batch on executors.")
+    p.add_argument("--history-len", type=int, default=50, help="FM history length (as the FM was trained).")
+    p.add_argument("--knn-k", type=int, default=10, help="Neighbours per user.")
+    p.add_argument("--device", default="auto", help="Torch device for the models (auto: CUDA when present).")
     p.add_argument("--stats-out", default=None, help="Also write the job's stats (JSON) to this local file.")
     return p
 
