@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import shutil
 import subprocess
 import sys

@@ -4,8 +4,8 @@ Layout (any URI Spark's Hadoop file system reads: local path, ``file://``, ``s3a
 
     <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/part-*.parquet, _SUCCESS, _stats.json
 
-Datasets: ``selection`` (scored candidate pairs and what was selected), ``pair_embeddings``,
-``user_aggregates``, ``user_embeddings``, ``neighbours``; ``misses/`` holds serving misses (parquet with
+Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection`` (scored candidate pairs
+and what was selected), ``pair_embeddings``, ``user_aggregates``, ``user_embeddings``, ``neighbours``; ``misses/`` holds serving misses (parquet with
 ``user_id``, ``item_id``, ``missed_at``). A write goes to a staging folder first and is renamed into place, so a
 reader sees the old complete output or the new complete output, never half of one.
 """
@@ -19,7 +19,7 @@ import pandas as pd
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("selection", "pair_embeddings", "user_aggregates", "user_embeddings", "neighbours")
+DATASETS = ("rejects", "selection", "pair_embeddings", "user_aggregates", "user_embeddings", "neighbours")
 
 
 def interval_key(end) -> str:
@@ -52,7 +52,7 @@ def write_interval(df, offline: str, dataset: str, end, stats: dict | None = Non
     staging = f"{str(offline).rstrip('/')}/{dataset}/_staging-{interval_key(end)[4:]}-{uuid.uuid4().hex[:8]}"
     df.write.mode("overwrite").parquet(staging)
     if stats is not None:
-        write_text(spark, f"{staging}/_stats.json", json.dumps(stats, indent=2, sort_keys=True, default=str))
+        write_stats(spark, staging, stats)
     fs, tpath, jvm = _fs(spark, target)
     if fs.exists(tpath):
         fs.delete(tpath, True)
@@ -69,6 +69,11 @@ def write_text(spark, path: str, text: str) -> None:
         out.write(bytearray(text.encode()))
     finally:
         out.close()
+
+
+def write_stats(spark, path: str, stats: dict) -> None:
+    """Writes a job's stats as ``<path>/_stats.json`` (Spark readers skip files starting with ``_``)."""
+    write_text(spark, f"{path}/_stats.json", json.dumps(stats, indent=2, sort_keys=True, default=str))
 
 
 def read_text(spark, path: str) -> str | None:

@@ -13,7 +13,6 @@ and modification time) and scores Arrow batches; nothing is collected to the dri
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -73,11 +72,24 @@ class PrecomputeConfig:
 
 # ----------------------------------------------------------------------------------------------- events
 
+def split_bad_events(events):
+    """Splits events into (good, bad); bad rows get a ``reason`` (null or non-positive id, null time, label
+    other than 0/1/null). Logs written by SOLARIS never have them; logs written by other pipelines may."""
+    from pyspark.sql import functions as F
+    reason = (F.when(F.col("user_id").isNull() | (F.col("user_id") <= 0), F.lit("user_id is null or <= 0"))
+              .when(F.col("item_id").isNull() | (F.col("item_id") <= 0), F.lit("item_id is null or <= 0"))
+              .when(F.col("event_timestamp").isNull(), F.lit("event_timestamp is null"))
+              .when(F.col("label").isNotNull() & ~F.col("label").isin(0, 1), F.lit("label is not 0, 1 or null")))
+    marked = events.withColumn("reason", reason)
+    return marked.where(F.col("reason").isNull()).drop("reason"), marked.where(F.col("reason").isNotNull())
+
+
 def prior_events(events, cutoff, lookback_days: float | None):
-    """Events strictly before ``cutoff`` (and not older than ``lookback_days``)."""
+    """Valid events strictly before ``cutoff`` (and not older than ``lookback_days``); see
+    ``split_bad_events`` for what is set aside (the selection job counts and writes those)."""
     from pyspark.sql import functions as F
     t = pd.Timestamp(cutoff).to_pydatetime()
-    out = events.where(F.col("event_timestamp") < F.lit(t))
+    out = split_bad_events(events)[0].where(F.col("event_timestamp") < F.lit(t))
     if lookback_days is not None:
         out = out.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(days=lookback_days).to_pytimedelta()))
     return out
@@ -203,6 +215,11 @@ def model_version(path: str, kind: str) -> str:
     """Reads the version of a checkpoint on the driver."""
     from models import load_checkpoint
     return load_checkpoint(path, kind=kind)[1]["model_version"]
+
+
+def embedding_version(fm_path: str, ae_path: str) -> str:
+    """The version stamped on embeddings: ``<fm version>+<ae version>`` (a code means nothing without both)."""
+    return f"{model_version(fm_path, 'fm')}+{model_version(ae_path, 'ae')}"
 
 
 def score_pairs(pairs, vm_path: str, cfg: PrecomputeConfig):
@@ -444,7 +461,3 @@ def neighbour_embeddings(neighbours, aggregates, cutoff, version: str):
     emb = mean_embedding(joined, "user_id", weight="sim").drop("n")
     return (neighbours.join(emb, "user_id").join(n, "user_id")
             .withColumn("event_timestamp", F.lit(t).cast("timestamp")).withColumn("model_version", F.lit(version)))
-
-
-def safe_share(part: int, whole: int) -> float:
-    return part / whole if whole else math.nan

@@ -12,12 +12,11 @@ import logging
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, VMConfig, VerticalModel, batch_to_tensors,
                     load_checkpoint, save_checkpoint)

@@ -17,7 +17,7 @@ def run(spark, job, cfg) -> dict:
     t0 = time.perf_counter()
     T = pd.Timestamp(job.end)
     fm_path, ae_path = job.model("fm"), job.model("ae")
-    version = f"{pc.model_version(fm_path, 'fm')}+{pc.model_version(ae_path, 'ae')}"
+    version = pc.embedding_version(fm_path, ae_path)
     selected = off.read_interval(spark, job.offline, "selection", T).where("selected").select("user_id", "item_id")
     prior = pc.prior_events(read_events(spark, job.data, end=T), T, cfg.lookback_days)
     uc, ic = pc.counters(prior)
@@ -30,7 +30,7 @@ def run(spark, job, cfg) -> dict:
     seconds = time.perf_counter() - t0
     stats = {"interval_end": T.isoformat(), "pairs": n, "model_version": version, "seconds": round(seconds, 2),
              "pairs_per_s": round(n / seconds, 1) if seconds else None, "batch_size": cfg.batch_size}
-    off.write_text(spark, f"{path}/_stats.json", __import__("json").dumps(stats, indent=2))
+    off.write_stats(spark, path, stats)
     logger.info("fm inference %s: %d pairs in %.1fs (%.0f pairs/s, includes reading and writing)", T, n, seconds,
                 n / seconds if seconds else 0)
     return stats

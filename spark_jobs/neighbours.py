@@ -20,8 +20,7 @@ def run(spark, job, cfg) -> dict:
     t0 = time.perf_counter()
     T = pd.Timestamp(job.end)
     fm_path = job.model("fm")
-    fm_version = pc.model_version(fm_path, "fm")
-    version = f"{fm_version}+{pc.model_version(job.model('ae'), 'ae')}"
+    version = pc.embedding_version(fm_path, job.model("ae"))
     prior = pc.prior_events(read_events(spark, job.data, end=T), T, cfg.lookback_days)
     uemb = pc.embed_users(pc.user_histories(prior, cfg.history_len), fm_path, T, cfg)
     upath = off.write_interval(uemb, job.offline, "user_embeddings", T)
@@ -40,7 +39,7 @@ def run(spark, job, cfg) -> dict:
     n = spark.read.parquet(path).count()
     stats = {"interval_end": T.isoformat(), "users_with_history": int(len(ids)), "users_with_neighbour_embedding": n,
              "knn": kstats, "model_version": version, "seconds": round(time.perf_counter() - t0, 2)}
-    off.write_text(spark, f"{path}/_stats.json", __import__("json").dumps(stats, indent=2, default=str))
+    off.write_stats(spark, path, stats)
     logger.info("neighbours %s: %d users embedded, %d with a neighbour embedding, index %s", T, len(ids), n, kstats)
     return stats
 

@@ -22,7 +22,15 @@ def run(spark, job, cfg) -> dict:
     from solaris_jobs.spark import read_events
     t0 = time.perf_counter()
     T = pd.Timestamp(job.end)
-    prior = pc.prior_events(read_events(spark, job.data, end=T), T, cfg.lookback_days).cache()
+    events = read_events(spark, job.data, end=T)
+    prior = pc.prior_events(events, T, cfg.lookback_days).cache()
+    # Bad rows of the interval itself are set aside with their reason (earlier ones were, by earlier runs).
+    _, bad = pc.split_bad_events(events.where(F.col("event_timestamp") >= F.lit(pd.Timestamp(job.start)
+                                                                                  .to_pydatetime())))
+    rejects_path = off.write_interval(bad, job.offline, "rejects", T)
+    n_bad = spark.read.parquet(rejects_path).count()
+    if n_bad:
+        logger.warning("set aside %d bad event rows of the interval: %s", n_bad, rejects_path)
     misses = off.read_misses(spark, job.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
     users = pc.active_users(prior, T, cfg.active_hours, misses).cache()
     cands = pc.candidate_pairs(prior, users, T, cfg.simulator).cache()
@@ -42,12 +50,12 @@ def run(spark, job, cfg) -> dict:
     out = spark.read.parquet(path)
     agg = out.agg(F.count("*").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
                   F.sum((F.col("source") == "miss").cast("int")).alias("forced_misses")).first()
-    stats = {"interval_end": T.isoformat(), "users": n_users, "pairs_considered": n_cands,
+    stats = {"interval_end": T.isoformat(), "rejected_events": n_bad, "users": n_users, "pairs_considered": n_cands,
              "pairs_excluded": n_excl, "exclusion_history_runs": len(past), "pairs_scored": agg["scored"],
              "pairs_selected": agg["selected"], "forced_misses": agg["forced_misses"],
              "select_share": cfg.select_share, "select_scope": cfg.select_scope,
              "seconds": round(time.perf_counter() - t0, 2)}
-    off.write_text(spark, f"{path}/_stats.json", __import__("json").dumps(stats, indent=2))
+    off.write_stats(spark, path, stats)
     logger.info("selection %s: %d users, %d pairs considered, %d excluded by negative exclusion (VM scoring "
                 "saved), %d selected for the FM", T, n_users, n_cands, n_excl, agg["selected"])
     prior.unpersist(), users.unpersist(), cands.unpersist()

@@ -15,7 +15,7 @@ def run(spark, job, cfg) -> dict:
     from solaris_jobs import precompute as pc
     t0 = time.perf_counter()
     T = pd.Timestamp(job.end)
-    version = f"{pc.model_version(job.model('fm'), 'fm')}+{pc.model_version(job.model('ae'), 'ae')}"
+    version = pc.embedding_version(job.model("fm"), job.model("ae"))
     window = pd.Timedelta(hours=cfg.aggregate_hours)
     ends = [e for e in off.list_intervals(spark, job.offline, "pair_embeddings") if T - window < e <= T]
     if T not in ends:
@@ -26,7 +26,7 @@ def run(spark, job, cfg) -> dict:
     n = spark.read.parquet(path).count()
     stats = {"interval_end": T.isoformat(), "users": n, "intervals_read": len(ends), "model_version": version,
              "seconds": round(time.perf_counter() - t0, 2)}
-    off.write_text(spark, f"{path}/_stats.json", __import__("json").dumps(stats, indent=2))
+    off.write_stats(spark, path, stats)
     logger.info("user aggregates %s: %d users from %d intervals", T, n, len(ends))
     return stats
 

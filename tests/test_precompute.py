@@ -3,7 +3,6 @@ import datetime as dt
 
 import numpy as np
 import pandas as pd
-import pytest
 import torch
 
 from models import load_checkpoint
@@ -68,9 +67,23 @@ def test_selection_exclusion_and_misses_hand_checked(spark):
     assert forced.loc[(3, 99), "selected"] and len(forced) == 8
 
 
+def test_bad_event_rows_are_set_aside_with_a_reason(spark):
+    t = dt.datetime(2026, 1, 1)
+    df = spark.createDataFrame(pd.DataFrame({
+        "user_id": [1, None, 3, 4, -5], "item_id": [1, 2, None, 4, 5],
+        "event_timestamp": [t, t, t, t, t], "label": [1, 0, 1, 7, None]}),
+        "user_id long, item_id long, event_timestamp timestamp, label int")
+    good, bad = pc.split_bad_events(df)
+    assert good.toPandas()["user_id"].tolist() == [1]
+    reasons = dict(bad.toPandas()[["user_id", "reason"]].fillna(0).astype({"user_id": int}).to_numpy().tolist())
+    assert reasons == {0: "user_id is null or <= 0", 3: "item_id is null or <= 0",
+                       4: "label is not 0, 1 or null", -5: "user_id is null or <= 0"}
+
+
 def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_root, ml_models):
     job, stats = ml_run
     assert stats["select"]["pairs_selected"] == stats["embed"]["pairs"] > 100
+    assert stats["select"]["rejected_events"] == 0
     got = _read(spark, job, "pair_embeddings").sort_values(["user_id", "item_id"]).reset_index(drop=True)
     fm, fm_meta = load_checkpoint(ml_models / "fm.pt", kind="fm")
     ae, ae_meta = load_checkpoint(ml_models / "ae.pt", kind="ae")

@@ -1,0 +1,143 @@
+"""The precompute jobs in sequence on one interval: seconds per job, pairs considered / excluded / selected,
+FM pairs/s, and the peak memory of the whole process tree (driver JVM, Python driver and workers), sampled every
+0.2 s. Beside it, the same FM + autoencoder over the same selected pairs in a plain torch loop on one process
+(no Spark), to show what the Spark job adds or saves.
+
+    .venv/bin/python benchmarks/precompute_jobs.py --data artifacts/demo/data --models artifacts/demo/models/seed0 \
+        --end 1998-03-01T00:00:00Z --active-hours 168 --lookback-days 0 --name movielens
+
+Saves benchmarks/results/precompute_<name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class PeakRSS:
+    """Samples the RSS of this process and all its descendants."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    def _sample(self):
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.peak = 0
+        self._stop.clear()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def torch_reference(data: str, models: str, pairs: pd.DataFrame, end: pd.Timestamp, history_len: int,
+                    batch_size: int) -> dict:
+    import torch
+
+    from models import batch_to_tensors, load_checkpoint
+    from solaris_jobs import events as ev
+    from solaris_jobs.features import EventIndex, Examples
+    t0 = time.perf_counter()
+    table = ev.read_events(data, end=end)
+    index = EventIndex(table)
+    t_index = time.perf_counter() - t0
+    fm, _ = load_checkpoint(Path(models) / "fm.pt", kind="fm")
+    ae, _ = load_checkpoint(Path(models) / "ae.pt", kind="ae")
+    n = len(pairs)
+    ex = Examples(index, pairs["user_id"].to_numpy(), pairs["item_id"].to_numpy(), np.full(n, end.value // 1000),
+                  np.full(n, -1.0, np.float32), np.zeros(n, np.float32), history_len)
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        for b in ex.batches(batch_size):
+            ae.encode(fm(batch_to_tensors(b))["h"])
+    t_fm = time.perf_counter() - t1
+    return {"pairs": n, "read_and_index_seconds": round(t_index, 2), "fm_seconds": round(t_fm, 2),
+            "fm_pairs_per_s": round(n / t_fm, 1) if t_fm else None, "torch_threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--models", required=True)
+    ap.add_argument("--end", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--active-hours", type=float, default=24)
+    ap.add_argument("--lookback-days", type=float, default=30)
+    ap.add_argument("--candidates", type=int, default=200)
+    ap.add_argument("--history-len", type=int, default=50)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    ap.add_argument("--intervals", type=int, default=1, help="Consecutive hourly intervals ending at --end.")
+    args = ap.parse_args()
+    from solaris_jobs import offline as off
+    from solaris_jobs.candidates import SimulatorConfig
+    from solaris_jobs.precompute import PrecomputeConfig
+    from solaris_jobs.spark import spark_session
+    from spark_jobs import refresh
+    from spark_jobs.common import JobArgs
+    cfg = PrecomputeConfig(active_hours=args.active_hours, lookback_days=args.lookback_days or None,
+                           history_len=args.history_len, batch_size=args.batch_size,
+                           simulator=SimulatorConfig(n_candidates=args.candidates, n_popular=args.candidates // 2))
+    offline = tempfile.mkdtemp(prefix="solaris_bench_offline_")
+    end = pd.Timestamp(args.end)
+    results = []
+    with PeakRSS() as mem:
+        spark = spark_session("solaris-bench", args.master)
+        for k in reversed(range(args.intervals)):
+            e = end - pd.Timedelta(hours=k)
+            job = JobArgs(args.data, offline, args.models, (e - pd.Timedelta(hours=1)).isoformat(), e.isoformat())
+            row = {"interval_end": e.isoformat()}
+            for step in refresh.STEPS:
+                with PeakRSS() as step_mem:
+                    row[step] = refresh.STEPS[step](spark, job, cfg)
+                row[step]["peak_rss_mb"] = round(step_mem.peak / 2**20)
+            results.append(row)
+            sel, emb = row["select"], row["embed"]
+            print(f"{e.isoformat()}: users {sel['users']}, pairs considered {sel['pairs_considered']}, excluded "
+                  f"{sel['pairs_excluded']}, selected {sel['pairs_selected']}; seconds select {sel['seconds']}, "
+                  f"embed {emb['seconds']} ({emb['pairs_per_s']} pairs/s), aggregate {row['aggregate']['seconds']}, "
+                  f"neighbours {row['neighbours']['seconds']}; peak RSS per step (MB) "
+                  f"{[row[s]['peak_rss_mb'] for s in refresh.STEPS]}", flush=True)
+        selected = off.read_interval(spark, offline, "selection", end).where("selected") \
+            .select("user_id", "item_id").toPandas()
+        spark.stop()
+    ref = torch_reference(args.data, args.models, selected, end, args.history_len, args.batch_size)
+    print(f"plain torch loop, same {ref['pairs']} pairs: read+index {ref['read_and_index_seconds']} s, FM+AE "
+          f"{ref['fm_seconds']} s = {ref['fm_pairs_per_s']} pairs/s ({ref['torch_threads']} threads)")
+    print(f"peak RSS of the process tree over the run: {mem.peak / 2**20:.0f} MB")
+    out = Path(__file__).parent / "results" / f"precompute_{args.name}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "intervals": results,
+                               "torch_reference": ref, "peak_rss_mb": round(mem.peak / 2**20),
+                               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2,
+                              default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
