@@ -103,7 +103,8 @@ def _train_options(f):
         click.option("--seed", default=0),
         click.option("--history-len", default=50, help="History length L."),
         click.option("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
-        click.option("--max-train-rows", default=None, type=int, help="Subsample the training split."),
+        click.option("--max-train-rows", default=None, type=int,
+                     help="Subsample large logs: N training rows, N/4 valid and N/4 test rows."),
     ]):
         f = opt(f)
     return f

@@ -5,9 +5,10 @@ Layout (any URI Spark's Hadoop file system reads: local path, ``file://``, ``s3a
     <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/part-*.parquet, _SUCCESS, _stats.json
 
 Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection`` (scored candidate pairs
-and what was selected), ``pair_embeddings``, ``user_aggregates``, ``user_embeddings``, ``neighbours``; ``misses/`` holds serving misses (parquet with
-``user_id``, ``item_id``, ``missed_at``). A write goes to a staging folder first and is renamed into place, so a
-reader sees the old complete output or the new complete output, never half of one.
+and what was selected), ``pair_embeddings``, ``user_aggregates``, ``user_embeddings``, ``neighbours``;
+``misses/`` holds serving misses (parquet with ``user_id``, ``item_id``, ``missed_at``). A write goes to a
+staging folder first and is renamed into place, so a reader sees the old complete output or the new complete
+output, never half of one.
 """
 from __future__ import annotations
 

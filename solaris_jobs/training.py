@@ -38,7 +38,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     history_len: int = 50
-    max_train_rows: int | None = None     # subsample the training split (large synthetic logs)
+    max_train_rows: int | None = None     # subsample: N train rows, N/4 valid and test rows (large logs)
     split: tuple = (0.8, 0.1, 0.1)
 
 
@@ -70,11 +70,11 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
     index = EventIndex(table)
     examples = Examples.from_events(index, table, history_len)
     train, valid, test, cuts = time_split(examples.ts, split)
-    if max_train_rows and train.sum() > max_train_rows:
-        keep = np.flatnonzero(train)
-        keep = np.sort(np.random.default_rng(seed).choice(keep, max_train_rows, replace=False))
-        train = np.zeros_like(train)
-        train[keep] = True
+    if max_train_rows:
+        # Large logs: N training rows and N/4 each for valid and test, sampled uniformly.
+        rng = np.random.default_rng(seed)
+        train, valid, test = (_sample(m, n, rng) for m, n in
+                              ((train, max_train_rows), (valid, max_train_rows // 4), (test, max_train_rows // 4)))
     users, items = ev.read_side(root, "users"), ev.read_side(root, "items")
     n_users = int(max(table.column("user_id").to_numpy().max(), users["user_id"].max() if len(users) else 0)) + 1
     n_items = int(max(table.column("item_id").to_numpy().max(), items["item_id"].max() if len(items) else 0)) + 1
@@ -86,6 +86,15 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
                 valid.sum(), test.sum(), time.perf_counter() - t0)
     return Dataset(str(root), index, examples.subset(train), examples.subset(valid), examples.subset(test), cuts,
                    as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)})
+
+
+def _sample(mask: np.ndarray, n: int, rng) -> np.ndarray:
+    if mask.sum() <= n:
+        return mask
+    keep = np.sort(rng.choice(np.flatnonzero(mask), n, replace=False))
+    out = np.zeros_like(mask)
+    out[keep] = True
+    return out
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -50,6 +50,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1024, help="Rows per model batch on executors.")
     p.add_argument("--history-len", type=int, default=50, help="FM history length (as the FM was trained).")
     p.add_argument("--knn-k", type=int, default=10, help="Neighbours per user.")
+    p.add_argument("--knn-exact-max", type=int, default=100_000,
+                   help="Exact FAISS search up to this many users, HNSW above (recall measured and logged).")
+    p.add_argument("--aggregate-hours", type=float, default=24.0, help="Window of the user aggregate.")
+    p.add_argument("--miss-hours", type=float, default=24.0,
+                   help="Serving misses recorded this many hours before T are forced into the selection.")
     p.add_argument("--device", default="auto", help="Torch device for the models (auto: CUDA when present).")
     p.add_argument("--stats-out", default=None, help="Also write the job's stats (JSON) to this local file.")
     return p
@@ -65,7 +70,8 @@ def config(ns: argparse.Namespace) -> tuple[JobArgs, PrecomputeConfig]:
         simulator=SimulatorConfig(n_candidates=ns.candidates, n_popular=ns.candidates // 2),
         active_hours=ns.active_hours, lookback_days=ns.lookback_days or None, select_share=ns.select_share,
         select_scope=ns.select_scope, exclusion_runs=ns.exclusion_runs, exclusion_share=ns.exclusion_share,
-        batch_size=ns.batch_size, history_len=ns.history_len, knn_k=ns.knn_k, device=ns.device)
+        batch_size=ns.batch_size, history_len=ns.history_len, knn_k=ns.knn_k, knn_exact_max=ns.knn_exact_max,
+        aggregate_hours=ns.aggregate_hours, miss_hours=ns.miss_hours, device=ns.device)
     return job, cfg
 
 

@@ -161,6 +161,10 @@ def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root
                               simulator=SimulatorConfig(n_candidates=30, n_popular=10))
     offline = str(tmp_path / "off")
     start = pd.Timestamp("2026-01-06T00:00:00Z")
+    # A serving miss recorded before the first run: its pair must be forced into that run's selection.
+    (tmp_path / "off" / "misses").mkdir(parents=True)
+    ev.write_table(pd.DataFrame({"user_id": [3], "item_id": [10_000], "missed_at": [start - pd.Timedelta(minutes=5)]}),
+                   tmp_path / "off" / "misses" / "part-0.parquet")
     stats = []
     from spark_jobs import select_candidates
     for h in range(3):
@@ -168,6 +172,10 @@ def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root
         stats.append(select_candidates.run(spark, JobArgs(str(synth_root), offline, str(synth_models),
                                                           s.isoformat(), e.isoformat()), cfg))
     assert [s["exclusion_history_runs"] for s in stats] == [0, 1, 2]
+    first = off.read_interval(spark, offline, "selection", start + pd.Timedelta(hours=1)).toPandas()
+    miss = first[(first["user_id"] == 3) & (first["item_id"] == 10_000)]
+    assert len(miss) == 1 and miss["selected"].iloc[0] and miss["source"].iloc[0] == "miss"
+    assert stats[0]["forced_misses"] == 1         # an item outside the catalogue: never a candidate itself
     assert stats[0]["pairs_excluded"] == stats[1]["pairs_excluded"] == 0
     third = stats[2]
     assert third["pairs_excluded"] > 0
