@@ -270,11 +270,14 @@ def exclude_negatives(scored_pairs, past_bottoms, runs: int):
     return scored_pairs.join(always, ["user_id", "item_id"], "left_anti"), excluded
 
 
-def select_pairs(scored, share: float, scope: str, bottom_share: float):
+def select_pairs(scored, share: float, scope: str, bottom_share: float, considered=None):
     """Marks the pairs sent to the FM (``selected``) and those in the user's bottom share (``bottom``).
 
-    Per user: the top ``ceil(share * n)`` of the user's n candidates (at least one). Global: pairs whose score is
-    at least the (1 - share) quantile of all scores. Ties break by item id.
+    The FM budget is a share of the pairs *considered*, so negative exclusion saves verifier work without
+    shrinking the FM's: per user, the top ``ceil(share * n)`` scored pairs (at least one), n = the user's
+    candidates before exclusion (``considered``: (user_id, n_considered); None = the scored ones). Global: the
+    ``share * considered / scored`` top quantile of all scores. ``bottom``: the lowest ``bottom_share`` of the
+    user's scored pairs. Ties break by item id.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -282,12 +285,22 @@ def select_pairs(scored, share: float, scope: str, bottom_share: float):
     ranked = (scored.withColumn("n", F.count("*").over(by_user))
               .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
     ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
-    if scope == "user":
-        sel = F.col("rank") <= F.greatest(F.lit(1), F.ceil(F.col("n") * F.lit(share)))
+    if considered is not None:
+        ranked = ranked.join(considered, "user_id", "left") \
+            .withColumn("n_budget", F.coalesce(F.col("n_considered"), F.col("n"))).drop("n_considered")
     else:
-        threshold = scored.approxQuantile("vm_score", [1.0 - share], 1e-4)
+        ranked = ranked.withColumn("n_budget", F.col("n"))
+    if scope == "user":
+        sel = F.col("rank") <= F.greatest(F.lit(1), F.ceil(F.col("n_budget") * F.lit(share)))
+    else:
+        q = share
+        if considered is not None:
+            n_scored = scored.count()
+            n_total = considered.agg(F.sum("n_considered")).first()[0] or 0
+            q = min(1.0, share * n_total / n_scored) if n_scored else share
+        threshold = scored.approxQuantile("vm_score", [1.0 - q], 1e-4)
         sel = F.col("vm_score") >= F.lit(threshold[0] if threshold else 0.0)
-    return ranked.withColumn("selected", sel).drop("n")
+    return ranked.withColumn("selected", sel).drop("n", "n_budget")
 
 
 def force_misses(selection, misses):

@@ -1,6 +1,7 @@
 """Spark session and I/O helpers shared by the jobs (``spark_jobs/``) and the tests.
 
-Sessions run in UTC with Arrow transfers on. ``master`` defaults to ``$SOLARIS_SPARK_MASTER`` or
+Sessions run in UTC with Arrow transfers on; local sessions get ``$SOLARIS_SPARK_DRIVER_MEMORY`` (default 4g) of
+driver heap, which in local mode is also the executors' heap. ``master`` defaults to ``$SOLARIS_SPARK_MASTER`` or
 ``local[*]``; under ``spark-submit`` the master given there wins (``getOrCreate`` returns that session).
 """
 from __future__ import annotations
@@ -36,7 +37,11 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     settings = {
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
-        "spark.sql.shuffle.partitions": "8",
+        # Many small shuffle partitions, coalesced by adaptive execution: less memory per task at scale.
+        "spark.sql.shuffle.partitions": "32",
+        "spark.sql.adaptive.enabled": "true",
+        # In local mode the driver is also the executor; ignored when the JVM is already running.
+        "spark.driver.memory": os.environ.get("SOLARIS_SPARK_DRIVER_MEMORY", "4g"),
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
         **(conf or {}),

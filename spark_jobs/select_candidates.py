@@ -43,12 +43,13 @@ def run(spark, job, cfg) -> dict:
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
     uc, ic = pc.counters(prior)
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), job.model("vm"), cfg).drop(*pc.COUNTER_COLS)
-    sel = pc.select_pairs(scored, cfg.select_share, cfg.select_scope, cfg.exclusion_share)
+    considered = cands.groupBy("user_id").agg(F.count("*").alias("n_considered"))
+    sel = pc.select_pairs(scored, cfg.select_share, cfg.select_scope, cfg.exclusion_share, considered)
     sel = pc.force_misses(sel, misses).withColumn("run", F.lit(T.to_pydatetime()).cast("timestamp"))
     n_users, n_cands, n_excl = users.count(), cands.count(), excluded.count()
     path = off.write_interval(sel, job.offline, "selection", T)
     out = spark.read.parquet(path)
-    agg = out.agg(F.count("*").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
+    agg = out.agg(F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
                   F.sum((F.col("source") == "miss").cast("int")).alias("forced_misses")).first()
     stats = {"interval_end": T.isoformat(), "rejected_events": n_bad, "users": n_users, "pairs_considered": n_cands,
              "pairs_excluded": n_excl, "exclusion_history_runs": len(past), "pairs_scored": agg["scored"],

@@ -51,6 +51,10 @@ def test_selection_exclusion_and_misses_hand_checked(spark):
     # User 1: 5 candidates -> ceil(0.4 * 5) = 2 selected (0.9, 0.8); bottom floor(0.5 * 5) = 2 (0.2, 0.1).
     assert sorted(sel.index[sel["selected"]]) == [(1, 10), (1, 11), (2, 15)]
     assert sorted(sel.index[sel["bottom"]]) == [(1, 12), (1, 14), (2, 10)]
+    # With 5 more candidates of user 1 excluded before scoring, the FM budget stays ceil(0.4 * 10) = 4.
+    considered = spark.createDataFrame(pd.DataFrame({"user_id": [1], "n_considered": [10]}))
+    budget = pc.select_pairs(scored, 0.4, "user", 0.5, considered).toPandas()
+    assert sorted(budget.loc[budget["selected"], "item_id"].tolist()) == [10, 11, 13, 14, 15]
     glob = pc.select_pairs(scored, 0.3, "global", 0.5).toPandas()
     assert sorted(glob.loc[glob["selected"], "item_id"]) == [10, 11, 15]        # top 30% of 7 scores
     t1, t2 = dt.datetime(2026, 1, 1, 1), dt.datetime(2026, 1, 1, 2)
@@ -180,6 +184,9 @@ def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root
     third = stats[2]
     assert third["pairs_excluded"] > 0
     assert third["pairs_scored"] == third["pairs_considered"] - third["pairs_excluded"]
+    # The FM budget is a share of what was considered, so exclusion does not shrink it.
+    sel3 = off.read_interval(spark, offline, "selection", start + pd.Timedelta(hours=3)).toPandas()
+    assert third["pairs_selected"] >= 0.2 * third["pairs_considered"] - sel3["user_id"].nunique()
     # The excluded pairs are exactly the candidates that were bottom in both earlier runs.
     ends = off.list_intervals(spark, offline, "selection")
     runs = [off.read_interval(spark, offline, "selection", e).toPandas() for e in ends]
