@@ -24,8 +24,9 @@ DATASETS = ("rejects", "selection", "pair_embeddings", "user_aggregates", "user_
 
 
 def interval_key(end) -> str:
-    return "end=" + pd.Timestamp(end).tz_convert("UTC").strftime("%Y%m%dT%H%M%SZ") if pd.Timestamp(end).tzinfo \
-        else "end=" + pd.Timestamp(end).strftime("%Y%m%dT%H%M%SZ")
+    """``end=YYYYMMDDTHHMMSSZ`` for an interval end (naive times are UTC)."""
+    from solaris_jobs.events import to_utc
+    return "end=" + to_utc(end).strftime("%Y%m%dT%H%M%SZ")
 
 
 def parse_key(name: str) -> pd.Timestamp:
