@@ -90,3 +90,48 @@ class SparkStandalone:
     def __exit__(self, *exc):
         for p in reversed(self.procs):
             stop(p)
+
+
+class RedisServer:
+    """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test."""
+
+    def __init__(self, workdir: Path, port: int | None = None, extra: tuple = ()):
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.extra = list(extra)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "RedisServer":
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (make sysdeps, or apt-get install redis-server)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "redis.log"
+        self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no", *self.extra, "--dir", str(self.workdir), "--logfile", str(log)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    return s.recv(16).startswith(b"+PONG")
+            except OSError:
+                return False
+        _wait_for(up, 20, "redis-server", log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
