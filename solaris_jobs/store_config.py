@@ -101,6 +101,11 @@ def redis_client(cfg: StoreConfig, timeout_s: float | None = None, **overrides):
     import redis
     params = {k: v for k, v in cfg.redis_params.items() if k not in ("skip_full_coverage_check",)}
     params.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **overrides)
+    if "retry" not in overrides:
+        # No silent reconnect-and-retry loops (redis-py's default backs off for seconds): callers decide.
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        params["retry"] = Retry(NoBackoff(), 0)
     if cfg.redis_type == "redis_cluster":
         from redis.cluster import ClusterNode, RedisCluster
         params.pop("db", None)
