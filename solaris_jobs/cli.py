@@ -273,5 +273,110 @@ for _name, _steps, _help in [
     main.add_command(_job_command(_name, _steps, _help))
 
 
+def _intervals(start, end, every):
+    import pandas as pd
+
+    from solaris_jobs.events import to_utc
+    start, end = to_utc(start), to_utc(end)
+    if end <= start:
+        raise ValueError(f"interval end {end} is not after its start {start}")
+    bounds = [start]
+    step = pd.Timedelta(every) if every else None
+    while step is not None and bounds[-1] + step < end:
+        bounds.append(bounds[-1] + step)
+    return list(zip(bounds, bounds[1:] + [end]))
+
+
+_repo_option = click.option("--feature-repo", default=None, type=click.Path(file_okay=False),
+                            help="Feast repo (default $SOLARIS_FEATURE_REPO or ./feature_repo); the online store "
+                                 "is its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH.")
+
+
+@main.command("materialize")
+@click.option("--offline", required=True, help="Offline store root (the refresh jobs' outputs).")
+@click.option("--start", required=True, help="Interval start (UTC).")
+@click.option("--end", required=True, help="Interval end (UTC): the outputs keyed by this end are written.")
+@click.option("--every", default=None, help="Split [start, end) into intervals of this length and write each.")
+@click.option("--views", "view_names", default=None, help="Comma-separated views (default: all).")
+@click.option("--expire-from", type=click.Choice(["event", "write"]), default="event",
+              help="event: keys expire at event time + view TTL; write: at write time + TTL (replays, demo).")
+@click.option("--always-check", is_flag=True, help="Compare every key's stored event time (other writers exist).")
+@_repo_option
+def materialize_cmd(offline, start, end, every, view_names, expire_from, always_check, feature_repo) -> None:
+    """Write intervals' pair embeddings, user aggregates and neighbours into the online store (Feast's layout,
+    per-view expiry). Exits non-zero if any write fails; only complete intervals are recorded as materialized."""
+    from solaris_jobs import store_config
+    from solaris_jobs.materialize import materialize
+    cfg = store_config.load(feature_repo)
+    names = view_names.split(",") if view_names else None
+    out = [materialize(cfg, offline, e, names, expire_from=expire_from, always_check=always_check)
+           for _, e in _intervals(start, end, every)]
+    _echo_json(out[0] if len(out) == 1 else out)
+
+
+@main.command("rank")
+@click.option("--vm", "vm_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="VM checkpoint (a transfer-mode VM reads SOLARIS features; a plain one does not).")
+@click.option("--data", "root", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Data root: the VM's counters come from its event log before --at.")
+@click.option("--user", "user_id", required=True, type=int)
+@click.option("--items", default=None, help="Comma-separated candidate item ids (default: the request simulator's).")
+@click.option("--candidates", default=500, help="Without --items: this many simulator candidates.")
+@click.option("--at", "at", required=True, help="Request time (UTC): the clock for TTLs and counters.")
+@click.option("--budget-ms", default=10.0, help="Online-store read budget; slower reads fail open (tier none).")
+@click.option("--top", default=20, help="Rows to print.")
+@click.option("--no-features", is_flag=True, help="Score without SOLARIS features (zeros, tier none).")
+@_repo_option
+def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_features, feature_repo) -> None:
+    """Score one request with the VM and the tiered SOLARIS features; print the ranking, tiers and timings."""
+    import numpy as np
+
+    from solaris_jobs import store_config
+    from solaris_jobs.ranker import Counters, Ranker
+    from solaris_jobs.serving import FeatureReader
+    if items:
+        ids = np.array([int(x) for x in items.split(",")], np.int64)
+    else:
+        from solaris_jobs import events as ev
+        from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
+        sim = RequestSimulator(ev.read_events(root, end=at), at,
+                               SimulatorConfig(n_candidates=candidates, n_popular=candidates // 2))
+        ids = sim.candidates([user_id])["item_id"].to_numpy(np.int64)
+    from models import load_checkpoint
+    from solaris_jobs.ranker import embedding_version
+    _, meta = load_checkpoint(vm_path, kind="vm")
+    reader = None
+    if meta["config"].get("fm_dim") and not no_features:
+        reader = FeatureReader(store_config.load(feature_repo), embedding_version(meta), meta["config"]["fm_dim"],
+                               budget_ms=budget_ms)
+    ranker = Ranker(vm_path, reader, Counters(root, at))
+    result = ranker.score(user_id, ids, at)
+    click.echo(result.table(top).to_string(index=False))
+    tiers = {t: result.tiers.count(t) for t in dict.fromkeys(result.tiers)}
+    click.echo(f"\n{len(ids)} candidates; tiers {tiers}; features {result.features_ms:.2f} ms, "
+               f"VM {result.model_ms:.2f} ms")
+    if reader is not None:
+        reader.close()
+
+
+@main.group()
+def misses() -> None:
+    """The serving miss queue (pairs ranked without a fresh pair embedding)."""
+
+
+@misses.command("drain")
+@click.option("--offline", required=True, help="Offline store root: files go to <offline>/misses/.")
+@_repo_option
+def misses_drain(offline, feature_repo) -> None:
+    """Move the Redis miss stream into parquet under <offline>/misses/, where the next selection reads it."""
+    from solaris_jobs import store_config
+    from solaris_jobs.serving import drain_misses
+    cfg = store_config.load(feature_repo)
+    if cfg.kind != "redis":
+        raise click.ClickException("the miss stream lives in Redis; with SQLite the serving client writes "
+                                   "parquet under <offline>/misses/ directly (FeatureReader(misses_dir=...))")
+    _echo_json(drain_misses(cfg, offline))
+
+
 if __name__ == "__main__":
     main()

@@ -220,6 +220,9 @@ class FeatureReader:
     def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
                  cooldown_s: float = 1.0, misses="auto", misses_dir: str | Path | None = None,
                  miss_queue_size: int = 10_000, env=None):
+        if cfg.kind == "redis" and cfg.redis_type != "redis":
+            raise NotImplementedError(f"{cfg.yaml_path}: serving reads from {cfg.redis_type} are not supported yet "
+                                      f"(single-node Redis or SQLite); materialization to a cluster is")
         self.cfg, self.version, self.dim = cfg, model_version, dim
         self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
         self.views = views(env)

@@ -1,0 +1,282 @@
+"""Feature store and serving against real stores: a real redis-server on a free port and SQLite, the real Feast SDK
+reading what we wrote, the MovieLens refresh outputs of ``ml_run`` as data."""
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import redis
+
+from solaris_jobs import feast_format as ff
+from solaris_jobs import store_config
+from solaris_jobs.materialize import materialize, materialized_intervals
+from solaris_jobs.serving import FeatureReader, drain_misses
+from tests.conftest import ML_END
+from tests.servers import RedisServer
+
+REPO = Path(__file__).resolve().parent.parent / "feature_repo"
+HOUR = pd.Timedelta(hours=1)
+
+
+def test_feast_byte_formats_match_feast():
+    from feast.infra.online_stores.helpers import _mmh3, _redis_key
+    from feast.protos.feast.types.EntityKey_pb2 import EntityKey
+    from feast.protos.feast.types.Value_pb2 import FloatList, Int64List, Value
+    from google.protobuf.timestamp_pb2 import Timestamp
+    rng = np.random.default_rng(0)
+    for u, i in [(0, 0), (5, -7), (2**40, 123)]:
+        ek = EntityKey(join_keys=["user_id", "item_id"], entity_values=[Value(int64_val=u), Value(int64_val=i)])
+        assert ff.entity_key({"user_id": u, "item_id": i}, b"solaris") == _redis_key("solaris", ek)
+        ek = EntityKey(join_keys=["user_id"], entity_values=[Value(int64_val=u)])
+        assert ff.entity_key({"user_id": u}, b"p") == _redis_key("p", ek)
+    assert ff.field_name("pair_embeddings", "embedding") == _mmh3("pair_embeddings:embedding")
+    m = rng.standard_normal((4, 8)).astype(np.float32)
+    assert [bytes(x) for x in ff.float_lists(m)] == [Value(float_list_val=FloatList(val=r)).SerializeToString()
+                                                     for r in m]
+    assert ff.string_value("fm-1+ae-2") == Value(string_val="fm-1+ae-2").SerializeToString()
+    assert ff.int64_list([3, -1]) == Value(int64_list_val=Int64List(val=[3, -1])).SerializeToString()
+    assert ff.int32_values(np.array([0, 9, -2])) == [Value(int32_val=v).SerializeToString() for v in (0, 9, -2)]
+    t = Timestamp(seconds=888710400, nanos=250)
+    assert ff.timestamp(888710400, 250) == t.SerializeToString()
+    assert ff.parse_timestamp(t.SerializeToString()) == pytest.approx(888710400.00000025)
+    dec, ok = ff.parse_float_lists([bytes(x) for x in ff.float_lists(m)] + [None, b"\x12\x01a"], 8)
+    assert np.array_equal(dec[:4], m) and ok.tolist() == [True] * 4 + [False, False]
+
+
+def _yaml(path: Path, online: str) -> Path:
+    path.write_text(f"project: solaris\nprovider: local\nregistry: {path.parent / 'registry.db'}\n"
+                    f"online_store:\n{online}\noffline_store:\n  type: file\nentity_key_serialization_version: 3\n")
+    return path
+
+
+def _feast(yaml_path: Path, offline: str, monkeypatch):
+    """The stock Feast SDK on our repo (``feast apply`` done through the SDK)."""
+    from feast import FeatureStore
+    monkeypatch.setenv("SOLARIS_OFFLINE", offline)
+    spec = importlib.util.spec_from_file_location("solaris_repo_under_test", REPO / "solaris_repo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fs = FeatureStore(repo_path=str(REPO), fs_yaml_file=yaml_path)
+    fs.apply([mod.user, mod.item, mod.pair_embeddings, mod.user_aggregates, mod.neighbours, mod.solaris_service])
+    return fs
+
+
+def _offline(job):
+    root = Path(job.offline)
+    return {name: pd.read_parquet(root / name / f"end={ML_END.strftime('%Y%m%dT%H%M%SZ')}")
+            for name in ("pair_embeddings", "user_aggregates", "neighbours")}
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+def _dump(client) -> dict:
+    return {k: client.hgetall(k) for k in sorted(client.scan_iter(count=10_000))
+            if not k.startswith(b"solaris:")}
+
+
+def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, tmp_path, monkeypatch):
+    import shutil
+    job, _ = ml_run
+    off = _offline(job)
+    offline = str(tmp_path / "offline")
+    shutil.copytree(job.offline, offline)          # this test adds an interval: keep the shared outputs as they are
+    cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: '
+                                                             f'"{redis_server.url}"'))
+    client = redis.Redis(port=redis_server.port)
+    client.flushall()
+    # Event-time expiry on 1998 data: every row is long expired, so nothing may be written (and it is counted).
+    st = materialize(cfg, offline, ML_END, expire_from="event")
+    assert all(v["expired"] == v["rows"] > 0 and v["written"] == 0 for v in st["views"].values())
+    assert _dump(client) == {}
+
+    t0 = time.time()
+    st = materialize(cfg, offline, ML_END, expire_from="write")
+    for name, df in off.items():
+        assert st["views"][name]["rows"] == st["views"][name]["written"] == len(df), name
+        assert st["views"][name]["rejected"] == {}
+    assert ML_END in materialized_intervals(cfg)
+
+    # Each key expires with its own view's TTL.
+    p = off["pair_embeddings"].iloc[0]
+    pkey = ff.entity_key({"user_id": int(p.user_id), "item_id": int(p.item_id)}, b"solaris")
+    ukey = ff.entity_key({"user_id": int(off["user_aggregates"].user_id.iloc[0])}, b"solaris")
+    elapsed = time.time() - t0 + 1
+    assert 4 * 3600 - elapsed <= client.ttl(pkey) <= 4 * 3600
+    assert 24 * 3600 - elapsed <= client.ttl(ukey) <= 24 * 3600
+
+    # The stock Feast SDK reads back exactly the offline values, through the versioned FeatureService.
+    fs = _feast(cfg.yaml_path, offline, monkeypatch)
+    pairs = off["pair_embeddings"].sample(40, random_state=0)
+    res = fs.get_online_features(features=fs.get_feature_service("solaris_v1"), full_feature_names=True,
+                                 entity_rows=[{"user_id": int(u), "item_id": int(i)}
+                                              for u, i in zip(pairs.user_id, pairs.item_id)]).to_df()
+    np.testing.assert_array_equal(np.stack(res["pair_embeddings__embedding"]), np.stack(pairs.embedding))
+    assert (res["pair_embeddings__model_version"] == pairs.model_version.to_numpy()).all()
+    agg = off["user_aggregates"].set_index("user_id").loc[pairs.user_id]
+    np.testing.assert_array_equal(np.stack(res["user_aggregates__embedding"]), np.stack(agg.embedding))
+    assert res["user_aggregates__n_pairs"].tolist() == agg.n_pairs.tolist()
+    nb = off["neighbours"].set_index("user_id")
+    for u, ids, emb in zip(res.user_id, res["neighbours__neighbour_ids"], res["neighbours__embedding"]):
+        if u in nb.index:
+            assert list(ids) == list(nb.loc[u].neighbour_ids)
+            np.testing.assert_array_equal(np.asarray(emb, np.float32), nb.loc[u].embedding)
+
+    # A rerun leaves the same contents; an older interval written afterwards never overwrites newer rows.
+    before = _dump(client)
+    materialize(cfg, offline, ML_END, expire_from="write")
+    assert _dump(client) == before
+    older = Path(offline)
+    for name, df in off.items():
+        d = older / name / f"end={(ML_END - HOUR).strftime('%Y%m%dT%H%M%SZ')}"
+        d.mkdir(parents=True)
+        df.assign(event_timestamp=ML_END - HOUR, embedding=[np.zeros(len(e), np.float32) for e in df.embedding]) \
+            .to_parquet(d / "part-0.parquet", coerce_timestamps="us", allow_truncated_timestamps=True)
+        (d / "_SUCCESS").touch()
+    st = materialize(cfg, offline, ML_END - HOUR, expire_from="write")
+    assert st["checked_newer"] and st["views"]["pair_embeddings"]["skipped_older"] == len(off["pair_embeddings"])
+    assert _dump(client) == before
+
+    # Redis down: materialization fails loudly and records nothing.
+    redis_server.stop()
+    try:
+        with pytest.raises(redis.ConnectionError):
+            materialize(cfg, offline, ML_END, expire_from="write")
+    finally:
+        redis_server.start()
+
+
+def _store(kind, job, tmp_path, redis_server):
+    if kind == "redis":
+        online = f'  type: redis\n  connection_string: "{redis_server.url}"'
+        redis.Redis(port=redis_server.port).flushall()
+    else:
+        online = f"  type: sqlite\n  path: {tmp_path / 'online.db'}"
+    cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", online))
+    materialize(cfg, job.offline, ML_END, expire_from="write")
+    return cfg
+
+
+@pytest.fixture(params=["redis", "sqlite"])
+def store(request, ml_run, tmp_path, redis_server):
+    return _store(request.param, ml_run[0], tmp_path, redis_server)
+
+
+def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_server, tmp_path):
+    job, _ = ml_run
+    off = _offline(job)
+    pairs, agg = off["pair_embeddings"], off["user_aggregates"].set_index("user_id")
+    nb = off["neighbours"].set_index("user_id")
+    version = pairs.model_version.iloc[0]
+    dim = len(pairs.embedding.iloc[0])
+    user = int(pairs.user_id.value_counts().index[0])
+    mine = pairs[pairs.user_id == user]
+    unknown = np.arange(10**6, 10**6 + 20)
+    items = np.concatenate([mine.item_id.to_numpy(), unknown])
+    reader = FeatureReader(store, version, dim, budget_ms=200, misses_dir=tmp_path / "offline" / "misses")
+
+    f = reader.read(user, items, ML_END + HOUR)
+    n = len(mine)
+    assert f.tier_names() == ["pair"] * n + ["user_aggregate"] * len(unknown)
+    np.testing.assert_array_equal(f.embeddings[:n], np.stack(mine.embedding))
+    np.testing.assert_array_equal(f.embeddings[n:], np.repeat(agg.loc[user].embedding[None], len(unknown), 0))
+    # Past the pair TTL (4 h) the user aggregate serves; past 24 h nothing; before the interval end (a replay
+    # asking for an earlier time) nothing either: it would leak the future.
+    assert set(reader.read(user, items, ML_END + 4 * HOUR + pd.Timedelta(seconds=1)).tier_names()) == \
+        {"user_aggregate"}
+    assert set(reader.read(user, items, ML_END + 25 * HOUR).tier_names()) == {"none"}
+    assert set(reader.read(user, items, ML_END - pd.Timedelta(minutes=1)).tier_names()) == {"none"}
+    # A user with neighbours but no aggregate gets the neighbour embedding.
+    nb_only = [u for u in nb.index if u not in agg.index]
+    assert nb_only, "the MovieLens refresh should leave users with neighbours but no pairs"
+    g = reader.read(int(nb_only[0]), unknown[:5], ML_END + HOUR)
+    assert g.tier_names() == ["neighbour"] * 5
+    np.testing.assert_array_equal(g.embeddings, np.repeat(nb.loc[nb_only[0]].embedding[None], 5, 0))
+    # Another model version than the VM's is never served.
+    other = FeatureReader(store, "fm-000000000000+ae-000000000000", dim, misses=None)
+    h = other.read(user, items, ML_END + HOUR)
+    assert set(h.tier_names()) == {"none"} and not h.embeddings.any()
+    assert other.metrics.counts["pair_other_version"] == n and other.metrics.counts["pair_missing"] == len(unknown)
+    assert other.metrics.counts["user_aggregate_other_version"] == 1
+    other.close()
+
+    # Misses: every pair served without a fresh pair embedding, recorded for the next refresh.
+    reader.close()
+    expected = 4 * len(items) - n + 5            # 4 reads of `items` (the first serves n pairs) + 5 neighbour rows
+    assert reader.metrics.counts["misses_queued"] == expected
+    folder = tmp_path / "offline" / "misses"
+    if store.kind == "redis":
+        st = drain_misses(store, tmp_path / "offline")
+        assert st["pairs"] == expected
+        assert redis.Redis(port=redis_server.port).xlen(f"solaris:{store.project}:misses") == 0
+    got = pd.read_parquet(folder)
+    assert len(got) == expected and set(got.item_id) == set(unknown) | set(mine.item_id)
+
+    # A store that is down, or slower than the budget, fails open: zeros, tier none, counted, no exception.
+    down = FeatureReader(store, version, dim, budget_ms=50, misses=None)
+    assert down.read(user, items, ML_END + HOUR).tier_names()[0] == "pair"
+    if store.kind == "redis":
+        pause = redis.Redis(port=redis_server.port)
+        pause.execute_command("CLIENT", "PAUSE", 1500, "ALL")         # every command now waits 1.5 s
+        t0 = time.perf_counter()
+        slow = down.read(user, items, ML_END + HOUR)
+        waited = time.perf_counter() - t0
+        assert slow.failed_open and set(slow.tier_names()) == {"none"} and not slow.embeddings.any()
+        assert waited < 1.0, f"the read waited {waited:.2f}s for a paused store (budget 50 ms)"
+        time.sleep(1.6)
+        redis_server.stop()
+        try:
+            time.sleep(down.cooldown_s)
+            dead = down.read(user, items, ML_END + HOUR)
+            assert dead.failed_open and set(dead.tier_names()) == {"none"}
+            assert down.metrics.counts["fail_open"] == 2
+            assert down.read(user, items, ML_END + HOUR).failed_open     # within the cooldown: not even tried
+            assert down.metrics.counts["fail_open_cooldown"] == 1
+        finally:
+            redis_server.start()
+    else:
+        store.sqlite_path.rename(store.sqlite_path.with_suffix(".moved"))
+        down._reset()
+        dead = down.read(user, items, ML_END + HOUR)
+        assert dead.failed_open and set(dead.tier_names()) == {"none"}
+    down.close()
+
+
+def test_ranker_scores_with_solaris_features(ml_run, movielens_root, ml_models, redis_server, tmp_path):
+    from click.testing import CliRunner
+
+    from solaris_jobs import training
+    from solaris_jobs.cli import main
+    from solaris_jobs.ranker import Counters, Ranker
+    job, _ = ml_run
+    store = _store("sqlite", job, tmp_path, redis_server)
+    off = _offline(job)
+    data = training.load_dataset(str(movielens_root), history_len=10, max_train_rows=20_000)
+    vm_path = tmp_path / "vm_transfer.pt"
+    training.train_vm(data, vm_path, training.TrainConfig(epochs=1, history_len=10, max_train_rows=20_000),
+                      mode="transfer", fm_path=ml_models / "fm.pt", ae_path=ml_models / "ae.pt")
+    pairs = off["pair_embeddings"]
+    user = int(pairs.user_id.value_counts().index[0])
+    items = np.concatenate([pairs[pairs.user_id == user].item_id.to_numpy(), [1, 2, 3]])
+    reader = FeatureReader(store, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+    ranker = Ranker(vm_path, reader, Counters(movielens_root, ML_END))
+    with_f = ranker.score(user, items, ML_END + HOUR)
+    without = ranker.score(user, items, ML_END + HOUR, use_features=False)
+    assert with_f.tiers[:-3] == ["pair"] * (len(items) - 3) and set(without.tiers) == {"none"}
+    assert with_f.scores.shape == (len(items),) and ((with_f.scores > 0) & (with_f.scores < 1)).all()
+    assert not np.allclose(with_f.scores, without.scores)     # the features reach the model
+    with pytest.raises(ValueError, match="takes embeddings"):
+        Ranker(vm_path, FeatureReader(store, "fm-x+ae-y", 8, misses=None), Counters(movielens_root, ML_END))
+    reader.close()
+
+    res = CliRunner().invoke(main, ["rank", "--vm", str(vm_path), "--data", str(movielens_root),
+                                    "--user", str(user), "--items", ",".join(map(str, items)),
+                                    "--at", (ML_END + HOUR).isoformat(), "--feature-repo", str(REPO)],
+                             env={"FEAST_FS_YAML_FILE_PATH": str(store.yaml_path)})
+    assert res.exit_code == 0, res.output
+    assert "pair" in res.output and f"{len(items)} candidates" in res.output
