@@ -122,8 +122,7 @@ def _groups(meta: pd.DataFrame):
 
 def _constant_version(enc: Encoded, view: View, idx: np.ndarray, version: str) -> Encoded:
     """Rows of one group, with the model version as fixed-width records (one shared value)."""
-    part = Encoded(enc.keys[idx], [v[idx] if isinstance(v, np.ndarray) else v if v is None else [v[i] for i in idx]
-                                   for v in enc.values])
+    part = enc.take(idx)
     j = view.columns.index(MODEL_VERSION)
     b = ff.string_value(version)
     part.values[j] = np.frombuffer(b * len(idx), dtype=np.dtype((np.void, len(b))))
@@ -131,7 +130,7 @@ def _constant_version(enc: Encoded, view: View, idx: np.ndarray, version: str) -
 
 
 def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_from: str = "event",
-                now=None, batch_rows: int = 200_000, env=None, always_check: bool = False) -> dict:
+                now=None, batch_rows: int = 50_000, env=None, always_check: bool = False) -> dict:
     """Writes the interval ending at ``end`` into the online store.
 
     Args:

@@ -108,8 +108,18 @@ class Encoded:
     def __len__(self):
         return len(self.keys)
 
-    def take(self, s: slice) -> "Encoded":
-        return Encoded(self.keys[s], [v[s] for v in self.values])
+    def take(self, s) -> "Encoded":
+        """Rows ``s`` (a slice or an index array)."""
+        def pick(v):
+            if v is None or isinstance(v, np.ndarray) or isinstance(s, slice):
+                return v if v is None else v[s]
+            return [v[i] for i in s]
+        return Encoded(self.keys[s], [pick(v) for v in self.values])
+
+    def value_list(self) -> list[bytes]:
+        """The values key by key (F per key), as separate bytes objects."""
+        cols = [[x.tobytes() for x in v] if isinstance(v, np.ndarray) else list(v) for v in self.values]
+        return [b for row in zip(*cols) for b in row]
 
     def value_block(self) -> bytes:
         """RESP bulk strings of the values, key by key (F per key)."""
@@ -131,19 +141,19 @@ class RedisWriter:
     overlaps with Redis executing the last one. ``flush`` waits for all replies and returns the totals.
     """
 
-    def __init__(self, client, batch: int = 2000, depth: int = 8):
+    def __init__(self, client, batch: int = 2000, depth: int = 32):
         self.client, self.batch, self.depth = client, batch, depth
         self.sha = client.script_load(WRITE_SCRIPT)
         self.cluster = hasattr(client, "get_node_from_key")
         self.conn = self.sock = None
         if not self.cluster:
             # A connection of our own (redis-py does the TLS, AUTH and SELECT handshake), then raw pipelining on
-            # its socket with a hiredis reader: redis-py's per-reply Python costs ~6 us, more than Redis itself.
-            import hiredis
+            # its socket. Every reply here is an integer, an array of integers or an error: one line each (or 3),
+            # checked in bulk (redis-py's per-reply Python costs ~6 us, more than Redis's own work).
             self.conn = client.connection_pool.make_connection()
             self.conn.connect()
             self.sock = self.conn._sock
-            self.reader = hiredis.Reader()
+            self.buf = b""
         self.pending = 0
         self.kinds = collections.deque()
         self.written = self.skipped = 0
@@ -154,26 +164,32 @@ class RedisWriter:
         head = b"*%d\r\n" % count + bulk(b"EVALSHA") + bulk(self.sha.encode()) + bulk(b"%d" % n)
         return b"".join([head, bulk_records(enc.keys).tobytes(), *map(bulk, header), enc.value_block()])
 
-    def _reply(self):
-        while (r := self.reader.gets()) is False:
+    def _lines(self, k: int) -> list[bytes]:
+        """The next ``k`` reply lines (without CRLF)."""
+        while self.buf.count(b"\r\n") < k:
             data = self.sock.recv(1 << 20)
             if not data:
                 raise ConnectionError("redis closed the connection during materialization")
-            self.reader.feed(data)
-        if isinstance(r, Exception):
-            raise r
-        return r
+            self.buf += data
+        parts = self.buf.split(b"\r\n", k)
+        self.buf = parts[k]
+        lines = parts[:k]
+        errors = [x for x in lines if x.startswith(b"-")]
+        if errors:
+            raise RuntimeError(f"redis refused a write: {errors[0][1:].decode(errors='replace')}")
+        return lines
 
     def _read_one(self) -> None:
         kind, n = self.kinds.popleft()
         if kind == "script":
-            w, k = self._reply()
-            self.written, self.skipped = self.written + w, self.skipped + k
+            head, w, k = self._lines(3)           # *2, :written, :skipped
+            if head != b"*2":
+                raise RuntimeError(f"unexpected reply to the write script: {head!r}")
+            self.written, self.skipped = self.written + int(w[1:]), self.skipped + int(k[1:])
         else:
-            for _ in range(n):
-                self._reply()                   # HSET's new-field count, then PEXPIREAT's 1
-                if self._reply() != 1:
-                    raise RuntimeError("PEXPIREAT did not set an expiry on a key just written")
+            lines = self._lines(2 * n)          # HSET's new-field count, then PEXPIREAT's 1, per key
+            if lines[1::2].count(b":1") != n:
+                raise RuntimeError("PEXPIREAT did not set an expiry on a key just written")
             self.written += n
         self.pending -= 1
 
@@ -260,25 +276,24 @@ class RedisWriter:
         slots = np.fromiter((key_slot(k.tobytes()) for k in enc.keys), np.int64, len(enc))
         order = np.argsort(slots, kind="stable")
         bounds = np.flatnonzero(np.diff(slots[order])) + 1
+        # A script's keys must share a slot: one call per slot group, routed by its first key; calls pipelined
+        # per node by redis-py's cluster pipeline.
+        pipe = self.client.pipeline(transaction=False)
+        queued = 0
         for idx in np.split(order, bounds):
             for s in range(0, len(idx), self.batch):
                 part = enc.take(idx[s: s + self.batch])
-                values = part.value_block()
-                # A script's keys must share a slot: one call per slot group, routed by its first key.
-                args = [k.tobytes() for k in part.keys]
-                vals = _split_bulk(values, len(part) * len(part.values))
-                w, k = self.client.evalsha(self.sha, len(args), *args, *header, *vals)
-                self.written, self.skipped = self.written + w, self.skipped + k
+                keys = [k.tobytes() for k in part.keys]
+                pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *header, *part.value_list())
+                queued += 1
+                if queued >= 2000:
+                    self._cluster_execute(pipe)
+                    queued = 0
+        self._cluster_execute(pipe)
 
-
-def _split_bulk(block: bytes, n: int) -> list[bytes]:
-    out, pos = [], 0
-    for _ in range(n):
-        end = block.index(b"\r\n", pos)
-        w = int(block[pos + 1: end])
-        out.append(block[end + 2: end + 2 + w])
-        pos = end + 4 + w
-    return out
+    def _cluster_execute(self, pipe) -> None:
+        for w, k in pipe.execute():
+            self.written, self.skipped = self.written + w, self.skipped + k
 
 
 class SqliteWriter:

@@ -220,9 +220,6 @@ class FeatureReader:
     def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
                  cooldown_s: float = 1.0, misses="auto", misses_dir: str | Path | None = None,
                  miss_queue_size: int = 10_000, env=None):
-        if cfg.kind == "redis" and cfg.redis_type != "redis":
-            raise NotImplementedError(f"{cfg.yaml_path}: serving reads from {cfg.redis_type} are not supported yet "
-                                      f"(single-node Redis or SQLite); materialization to a cluster is")
         self.cfg, self.version, self.dim = cfg, model_version, dim
         self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
         self.views = views(env)
@@ -242,7 +239,8 @@ class FeatureReader:
             return [ff.field_name(v.name, EMBEDDING), ff.field_name(v.name, MODEL_VERSION), ff.ts_field(v.name)]
         self._user_fields = fields(self.views["user_aggregates"]) + fields(self.views["neighbours"])
         self._pair_head = b"*5\r\n" + bulk(b"HMGET")
-        self._pair_tail = b"".join(map(bulk, fields(self.views["pair_embeddings"])))
+        self._pair_fields = fields(self.views["pair_embeddings"])
+        self._pair_tail = b"".join(map(bulk, self._pair_fields))
 
     # -- connections
     def _redis(self):
@@ -277,20 +275,42 @@ class FeatureReader:
         return t
 
     def _read_redis(self, user: int, items: np.ndarray) -> list:
-        conn = self._redis()
         ukey = ff.entity_key({"user_id": user}, self._suffix)
         pkeys = ff.entity_keys({"user_id": np.full(len(items), user, np.int64), "item_id": items}, self._suffix)
+        if self.cfg.redis_type == "redis_cluster":
+            replies = self._read_cluster(ukey, pkeys)
+        else:
+            replies = self._read_single(ukey, pkeys)
+        u = replies[0]
+        out = [(u[0], u[1], self._ts(u[2])) if u[0] is not None else None,
+               (u[3], u[4], self._ts(u[5])) if u[3] is not None else None]
+        out += [(r[0], r[1], self._ts(r[2])) if r[0] is not None else None for r in replies[1:]]
+        return out
+
+    def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
+        """Redis Cluster: the keys live on several nodes; redis-py's cluster pipeline, one round trip per node."""
+        if self._client is None:
+            self._client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hmget(ukey, self._user_fields)
+        for k in pkeys:
+            pipe.hmget(k.tobytes(), self._pair_fields)
+        return pipe.execute()
+
+    def _read_single(self, ukey: bytes, pkeys: np.ndarray) -> list:
+        conn = self._redis()
         # One buffer: HMGET of the user's hash (both user views), then one HMGET per pair (fixed-width records).
         head = (b"*%d\r\n" % (2 + len(self._user_fields)) + bulk(b"HMGET") + bulk(ukey)
                 + b"".join(map(bulk, self._user_fields)))
-        rec = np.empty(len(items), np.dtype([("h", "u1", (len(self._pair_head),)), ("k", bulk_records(pkeys).dtype),
+        keys = bulk_records(pkeys)
+        rec = np.empty(len(pkeys), np.dtype([("h", "u1", (len(self._pair_head),)), ("k", keys.dtype),
                                              ("f", "u1", (len(self._pair_tail),))]))
         rec["h"] = np.frombuffer(self._pair_head, np.uint8)
-        rec["k"] = bulk_records(pkeys)
+        rec["k"] = keys
         rec["f"] = np.frombuffer(self._pair_tail, np.uint8)
         conn._sock.sendall(head + rec.tobytes())
         replies, reader, sock = [], self._reader, conn._sock
-        while len(replies) < 1 + len(items):
+        while len(replies) < 1 + len(pkeys):
             r = reader.gets()
             if r is False:
                 data = sock.recv(1 << 16)
@@ -301,11 +321,7 @@ class FeatureReader:
             if isinstance(r, Exception):
                 raise r
             replies.append(r)
-        u = replies[0]
-        out = [(u[0], u[1], self._ts(u[2])) if u[0] is not None else None,
-               (u[3], u[4], self._ts(u[5])) if u[3] is not None else None]
-        out += [(r[0], r[1], self._ts(r[2])) if r[0] is not None else None for r in replies[1:]]
-        return out
+        return replies
 
     def _read_sqlite(self, user: int, items: np.ndarray) -> list:
         conn = self._sqlite_conn()

@@ -135,3 +135,57 @@ class RedisServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _free_cluster_port() -> int:
+    """A free port p whose cluster bus port p + 10000 is free too."""
+    for _ in range(100):
+        p = free_port()
+        if p + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterServer:
+    """A real Redis Cluster of ``n`` primaries (no replicas) on 127.0.0.1, free ports, created with redis-cli."""
+
+    def __init__(self, workdir: Path, n: int = 3):
+        self.workdir, self.n = Path(workdir), n
+        self.nodes = [RedisServer(self.workdir / f"node{i}", _free_cluster_port(),
+                                  extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf",
+                                         "--cluster-node-timeout", "5000")) for i in range(n)]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def __enter__(self):
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed (it comes with redis-server)")
+        res = subprocess.run([cli, "--cluster", "create", *[n.url for n in self.nodes], "--cluster-replicas", "0",
+                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            self.__exit__()
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{res.stdout}\n{res.stderr}")
+
+        def ok():
+            for node in self.nodes:
+                out = subprocess.run([cli, "-p", str(node.port), "cluster", "info"], capture_output=True, text=True)
+                if "cluster_state:ok" not in out.stdout:
+                    return False
+            return True
+        _wait_for(ok, 30, "redis cluster")
+        return self
+
+    def __exit__(self, *exc):
+        for node in self.nodes:
+            node.stop()

@@ -280,3 +280,30 @@ def test_ranker_scores_with_solaris_features(ml_run, movielens_root, ml_models, 
                              env={"FEAST_FS_YAML_FILE_PATH": str(store.yaml_path)})
     assert res.exit_code == 0, res.output
     assert "pair" in res.output and f"{len(items)} candidates" in res.output
+
+
+def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monkeypatch):
+    from tests.servers import RedisClusterServer
+    job, _ = ml_run
+    off = _offline(job)
+    pairs = off["pair_embeddings"]
+    with RedisClusterServer(tmp_path / "cluster") as cluster:
+        cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", f"  type: redis\n  redis_type: redis_cluster\n"
+                                                                 f'  connection_string: "{cluster.url}"'))
+        st = materialize(cfg, job.offline, ML_END, expire_from="write")
+        assert {k: v["written"] for k, v in st["views"].items()} == {k: len(v) for k, v in off.items()}
+        # Keys really are spread over the three primaries.
+        sizes = [redis.Redis(port=n.port).dbsize() for n in cluster.nodes]
+        assert min(sizes) > 0 and sum(sizes) >= len(pairs)
+        fs = _feast(cfg.yaml_path, job.offline, monkeypatch)
+        s = pairs.sample(30, random_state=2)
+        got = fs.get_online_features(features=["pair_embeddings:embedding"], entity_rows=[
+            {"user_id": int(u), "item_id": int(i)} for u, i in zip(s.user_id, s.item_id)]).to_dict()["embedding"]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.stack(s.embedding))
+        user = int(pairs.user_id.value_counts().index[0])
+        mine = pairs[pairs.user_id == user]
+        reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+        f = reader.read(user, np.concatenate([mine.item_id.to_numpy(), [10**6]]), ML_END + HOUR)
+        assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"]
+        np.testing.assert_array_equal(f.embeddings[:-1], np.stack(mine.embedding))
+        reader.close()
