@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from solaris_jobs import feast_format as ff
 from solaris_jobs.feature_views import EMBEDDING, MODEL_VERSION, View, views
-from solaris_jobs.online_write import Encoded, RedisWriter, SqliteWriter
+from solaris_jobs.online_write import ClusterWriter, Encoded, RedisWriter, SqliteWriter
 from solaris_jobs.store_config import StoreConfig, redis_client
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,8 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
     created = now.tz_localize(None).isoformat(sep=" ")
     if cfg.kind == "redis":
         client = redis_client(cfg, timeout_s=60)
-        writer, suffix = RedisWriter(client), cfg.project.encode()     # Feast's Redis keys end with the project
+        writer = ClusterWriter(client, cfg) if cfg.redis_type == "redis_cluster" else RedisWriter(client)
+        suffix = cfg.project.encode()               # Feast's Redis keys end with the project
     else:
         client, writer, suffix = None, SqliteWriter(cfg.sqlite_path, cfg.project), b""
     # Views whose entity keys other views also write (the user views share the user's hash).

@@ -135,7 +135,7 @@ class Encoded:
 
 
 class RedisWriter:
-    """Pipelined, scripted writes to one Redis (standalone) or a Redis Cluster (keys grouped by hash slot).
+    """Pipelined writes to one Redis node.
 
     ``write`` sends and returns; replies are read ``depth`` requests behind, so that encoding the next batch
     overlaps with Redis executing the last one. ``flush`` waits for all replies and returns the totals.
@@ -144,16 +144,13 @@ class RedisWriter:
     def __init__(self, client, batch: int = 2000, depth: int = 32):
         self.client, self.batch, self.depth = client, batch, depth
         self.sha = client.script_load(WRITE_SCRIPT)
-        self.cluster = hasattr(client, "get_node_from_key")
-        self.conn = self.sock = None
-        if not self.cluster:
-            # A connection of our own (redis-py does the TLS, AUTH and SELECT handshake), then raw pipelining on
-            # its socket. Every reply here is an integer, an array of integers or an error: one line each (or 3),
-            # checked in bulk (redis-py's per-reply Python costs ~6 us, more than Redis's own work).
-            self.conn = client.connection_pool.make_connection()
-            self.conn.connect()
-            self.sock = self.conn._sock
-            self.buf = b""
+        # A connection of our own (redis-py does the TLS, AUTH and SELECT handshake), then raw pipelining on
+        # its socket. Every reply here is an integer, an array of integers or an error: one line each (or 3),
+        # checked in bulk (redis-py's per-reply Python costs ~6 us, more than Redis's own work).
+        self.conn = client.connection_pool.make_connection()
+        self.conn.connect()
+        self.sock = self.conn._sock
+        self.buf = b""
         self.pending = 0
         self.kinds = collections.deque()
         self.written = self.skipped = 0
@@ -236,15 +233,11 @@ class RedisWriter:
         ``check_newer=False``: the caller knows no stored row is newer (in-order materialization of a key space
         only this view writes): plain pipelined HSET + PEXPIREAT, about twice the rate of the scripted path.
         """
-        if not check_newer and not shared and not self.cluster and expire_at_ms > 0 \
-                and all(isinstance(v, np.ndarray) for v in enc.values):
+        if not check_newer and not shared and expire_at_ms > 0 and all(isinstance(v, np.ndarray) for v in enc.values):
             self._send_plain(enc, ff.ts_field(view.name), ff.timestamp(ts_seconds, ts_nanos), expire_at_ms, fields)
             return
         header = [ff.ts_field(view.name), ff.timestamp(ts_seconds, ts_nanos), b"%d" % ts_seconds,
                   b"%d" % ts_nanos, b"%d" % expire_at_ms, b"%d" % int(shared), b"%d" % len(fields), *fields]
-        if self.cluster:
-            self._write_cluster(enc, header)
-            return
         for s in range(0, len(enc), self.batch):
             self._send(self._payload(enc.take(slice(s, s + self.batch)), header), "script", 1)
 
@@ -271,29 +264,59 @@ class RedisWriter:
             self.conn = self.sock = None
         self.client.close()
 
-    def _write_cluster(self, enc: Encoded, header: list[bytes]) -> None:
+
+
+class ClusterWriter:
+    """Writes to a Redis Cluster: rows grouped by the primary that owns their key's slot, one ``RedisWriter``
+    (raw pipelining) per primary. Scripted writes go one slot at a time (a script's keys must share a slot).
+    A slot that moves during the write (resharding) fails the write with the MOVED error."""
+
+    def __init__(self, client, cfg):
+        import dataclasses
+
+        from solaris_jobs.store_config import redis_client
+        self.client = client
+        slots = client.nodes_manager.slots_cache
+        self.writers: dict[str, RedisWriter] = {}
+        self.node_of_slot = np.zeros(16384, np.int64)
+        names = []
+        for slot in range(16384):
+            node = slots[slot][0]
+            if node.name not in self.writers:
+                host, port = node.name.rsplit(":", 1)
+                sub = redis_client(dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),)),
+                                   timeout_s=60)
+                self.writers[node.name] = RedisWriter(sub)
+                names.append(node.name)
+            self.node_of_slot[slot] = names.index(node.name)
+        self.names = names
+
+    def write(self, view: View, enc: Encoded, ts_seconds: int, ts_nanos: int, expire_at_ms: int,
+              fields: list[bytes], shared: bool = True, check_newer: bool = True) -> None:
         from redis.crc import key_slot
         slots = np.fromiter((key_slot(k.tobytes()) for k in enc.keys), np.int64, len(enc))
-        order = np.argsort(slots, kind="stable")
-        bounds = np.flatnonzero(np.diff(slots[order])) + 1
-        # A script's keys must share a slot: one call per slot group, routed by its first key; calls pipelined
-        # per node by redis-py's cluster pipeline.
-        pipe = self.client.pipeline(transaction=False)
-        queued = 0
-        for idx in np.split(order, bounds):
-            for s in range(0, len(idx), self.batch):
-                part = enc.take(idx[s: s + self.batch])
-                keys = [k.tobytes() for k in part.keys]
-                pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *header, *part.value_list())
-                queued += 1
-                if queued >= 2000:
-                    self._cluster_execute(pipe)
-                    queued = 0
-        self._cluster_execute(pipe)
+        nodes = self.node_of_slot[slots]
+        scripted = check_newer or shared
+        for j, name in enumerate(self.names):
+            idx = np.flatnonzero(nodes == j)
+            if not len(idx):
+                continue
+            groups = [idx]
+            if scripted:
+                idx = idx[np.argsort(slots[idx], kind="stable")]
+                groups = np.split(idx, np.flatnonzero(np.diff(slots[idx])) + 1)
+            for g in groups:
+                self.writers[name].write(view, enc.take(g), ts_seconds, ts_nanos, expire_at_ms, fields, shared,
+                                         check_newer)
 
-    def _cluster_execute(self, pipe) -> None:
-        for w, k in pipe.execute():
-            self.written, self.skipped = self.written + w, self.skipped + k
+    def flush(self) -> tuple[int, int]:
+        totals = [w.flush() for w in self.writers.values()]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+        self.client.close()
 
 
 class SqliteWriter:

@@ -45,6 +45,32 @@ def test_feast_byte_formats_match_feast():
     assert np.array_equal(dec[:4], m) and ok.tolist() == [True] * 4 + [False, False]
 
 
+def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path):
+    """Bad offline rows are counted per reason and never written; the good ones are served (SQLite, no Spark)."""
+    end = pd.Timestamp("2026-01-05T01:00:00Z")
+    d = tmp_path / "offline" / "pair_embeddings" / f"end={end.strftime('%Y%m%dT%H%M%SZ')}"
+    d.mkdir(parents=True)
+    good = [np.full(4, k, np.float32) for k in range(3)]
+    pd.DataFrame({"user_id": pd.array([1, 1, 1, None, 1, 1, 1], "Int64"), "item_id": [10, 11, 12, 13, 14, 15, 16],
+                  "embedding": [*good, good[0], None, np.ones(5, np.float32), np.array([1, np.nan, 0, 0], np.float32)],
+                  "event_timestamp": end, "model_version": "v1"}).to_parquet(d / "part-0.parquet")
+    cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'o.db'}"))
+    with pytest.raises(FileNotFoundError, match="no complete pair_embeddings output"):
+        materialize(cfg, str(tmp_path / "offline"), end, ["pair_embeddings"], expire_from="write")
+    (d / "_SUCCESS").touch()
+    st = materialize(cfg, str(tmp_path / "offline"), end, ["pair_embeddings"], expire_from="write")["views"]
+    assert st["pair_embeddings"]["rows"] == 7 and st["pair_embeddings"]["written"] == 3
+    assert st["pair_embeddings"]["rejected"] == {"null user_id": 1, "no embedding": 1, "embedding width is not 4": 1,
+                                                 "non-finite embedding value": 1}
+    reader = FeatureReader(cfg, "v1", 4, misses=None)
+    f = reader.read(1, [10, 11, 12, 14, 15, 16], end + HOUR)
+    assert f.tier_names() == ["pair"] * 3 + ["none"] * 3
+    np.testing.assert_array_equal(f.embeddings[:3], np.stack(good))
+    reader.close()
+    with pytest.raises(ValueError, match="unknown feature views"):
+        materialize(cfg, str(tmp_path / "offline"), end, ["pairs"])
+
+
 def _yaml(path: Path, online: str) -> Path:
     path.write_text(f"project: solaris\nprovider: local\nregistry: {path.parent / 'registry.db'}\n"
                     f"online_store:\n{online}\noffline_store:\n  type: file\nentity_key_serialization_version: 3\n")
