@@ -171,7 +171,8 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
     # (a backfill): only then must each key be compared with what is stored.
     later = [e for e in materialized_intervals(cfg) if e > end]
     check_newer = bool(later) or always_check
-    out = {"interval_end": end.isoformat(), "checked_newer": check_newer, "store": cfg.describe(), "expire_from": expire_from, "views": {}}
+    out = {"interval_end": end.isoformat(), "checked_newer": check_newer, "store": cfg.describe(),
+           "expire_from": expire_from, "views": {}}
     t_all = time.perf_counter()
     try:
         for name in names:

@@ -112,7 +112,8 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / "redis.log"
         self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                                      "--appendonly", "no", *self.extra, "--dir", str(self.workdir), "--logfile", str(log)],
+                                      "--appendonly", "no", *self.extra, "--dir", str(self.workdir),
+                                      "--logfile", str(log)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
 
         def up():
