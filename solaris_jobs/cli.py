@@ -225,23 +225,15 @@ def _job_command(name: str, steps: tuple, help_text: str):
     def callback(**kw):
         import argparse
 
-        import pandas as pd
-
         from solaris_jobs.spark import spark_session
         from spark_jobs import refresh
         from spark_jobs.common import config
-        every = pd.Timedelta(kw.pop("every")) if kw.get("every") else None
-        kw.pop("every", None)
+        every = kw.pop("every", None)
         ns = argparse.Namespace(**kw)
         job, cfg = config(ns)
-        start, end = pd.Timestamp(job.start), pd.Timestamp(job.end)
-        bounds = [start]
-        while every is not None and bounds[-1] + every < end:
-            bounds.append(bounds[-1] + every)
-        bounds.append(end)
         spark = spark_session(f"solaris-{name}", ns.master)
         results = []
-        for s, e in zip(bounds[:-1], bounds[1:]):
+        for s, e in _intervals(job.start, job.end, every):
             one = type(job)(job.data, job.offline, job.models, s.isoformat(), e.isoformat())
             results.append(refresh.run(spark, one, cfg, steps))
         out = results[0] if len(results) == 1 else results

@@ -70,6 +70,21 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path):
     with pytest.raises(ValueError, match="unknown feature views"):
         materialize(cfg, str(tmp_path / "offline"), end, ["pairs"])
 
+    import json
+
+    from click.testing import CliRunner
+
+    from solaris_jobs.cli import main
+    args = ["materialize", "--offline", str(tmp_path / "offline"), "--start", (end - HOUR).isoformat(),
+            "--end", end.isoformat(), "--views", "pair_embeddings", "--expire-from", "write",
+            "--feature-repo", str(REPO)]
+    res = CliRunner().invoke(main, args, env={"FEAST_FS_YAML_FILE_PATH": str(cfg.yaml_path)})
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["views"]["pair_embeddings"]["written"] == 3
+    res = CliRunner().invoke(main, args[:-4] + ["--every", "30min", "--feature-repo", str(REPO)],
+                             env={"FEAST_FS_YAML_FILE_PATH": str(cfg.yaml_path)})
+    assert res.exit_code == 1 and "no complete pair_embeddings output" in res.output    # the first half-hour
+
 
 def _yaml(path: Path, online: str) -> Path:
     path.write_text(f"project: solaris\nprovider: local\nregistry: {path.parent / 'registry.db'}\n"
