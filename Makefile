@@ -16,7 +16,7 @@ export PYSPARK_DRIVER_PYTHON := $(abspath $(BIN)/python)
 export SPARK_LOCAL_IP := 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv sysdeps clean
+.PHONY: demo test venv sysdeps clean airflow
 
 venv: $(STAMP)
 
@@ -37,6 +37,15 @@ demo: $(STAMP) sysdeps
 
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...),
+# pointed at the demo's data, models and offline store.
+AIRFLOW_PORT ?= 8080
+airflow: $(STAMP)
+	SOLARIS_DATA=$(abspath artifacts/demo/data) SOLARIS_OFFLINE=$(abspath artifacts/demo/offline) \
+	SOLARIS_MODELS=$(abspath artifacts/demo/models/seed0) SOLARIS_EXPIRE_FROM=write \
+	SOLARIS_START_DATE=1998-01-01T00:00:00+00:00 SOLARIS_END_DATE=1998-04-23T00:00:00+00:00 \
+	$(BIN)/solaris airflow --home artifacts/airflow --port $(AIRFLOW_PORT)
 
 clean:
 	rm -rf artifacts .pytest_cache

@@ -172,50 +172,25 @@ def train_vm(root, out, epochs, batch_size, lr, seed, history_len, device, max_t
 
 @main.command("demo")
 @click.option("--workdir", default="artifacts/demo", type=click.Path(file_okay=False),
-              help="Where data, checkpoints, the offline store and the report go.")
+              help="Where data, checkpoints, the offline store, the Airflow home and the report go.")
 @click.option("--seeds", default="0", help="Comma-separated seeds; metrics are averaged over them.")
 @click.option("--fm-epochs", default=3)
-@click.option("--intervals", default=3, help="Hourly intervals to refresh with the Spark jobs (0: none).")
+@click.option("--intervals", default=3, help="Hourly intervals to run the refresh DAG over (0: none).")
 @click.option("--last-end", default="1998-03-01T00:00:00Z", help="End of the last refreshed interval.")
 @click.option("--master", default="local[2]", help="Spark master for the refresh.")
 def demo(workdir, seeds, fm_epochs, intervals, last_end, master) -> None:
     """The main job on MovieLens-100K: data, FM, AE, VM / VM+KD / VM+FM embedding and their comparison table,
-    then the precompute pipeline (selection, FM inference, aggregates, neighbours) over a few hourly intervals."""
-    import pandas as pd
-
+    then the Airflow refresh DAG (dag.test()) over a few hourly intervals into the embedded SQLite online store,
+    the coverage table, one feature read through the Feast SDK and one through the tiered serving client."""
     from solaris_jobs.experiment import run_movielens
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()
     seed_list = [int(s) for s in seeds.split(",")]
     report = run_movielens(workdir, seed_list, fm_epochs=fm_epochs)
     click.echo(report["table"])
-    if intervals <= 0:
-        return
-    from solaris_jobs.candidates import SimulatorConfig
-    from solaris_jobs.precompute import PrecomputeConfig
-    from solaris_jobs.spark import spark_session
-    from spark_jobs import refresh
-    from spark_jobs.common import JobArgs
-    # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
-    cfg = PrecomputeConfig(active_hours=168, lookback_days=None, simulator=SimulatorConfig())
-    spark = spark_session("solaris-demo", master)
-    end = pd.Timestamp(last_end)
-    rows = []
-    for k in reversed(range(intervals)):
-        e = end - pd.Timedelta(hours=k)
-        job = JobArgs(str(workdir / "data"), str(workdir / "offline"), str(workdir / "models" / f"seed{seed_list[0]}"),
-                      (e - pd.Timedelta(hours=1)).isoformat(), e.isoformat())
-        st = refresh.run(spark, job, cfg)
-        rows.append((e, st))
-    click.echo(f"\nprecompute over {intervals} hourly interval(s), offline store {workdir / 'offline'}")
-    click.echo(f"{'interval end':26s} {'users':>6s} {'considered':>10s} {'excluded':>8s} {'selected':>8s} "
-               f"{'FM pairs/s':>10s} {'aggregates':>10s} {'neighbours':>10s}  seconds (select/embed/agg/nbr)")
-    for e, st in rows:
-        sel, emb = st["select"], st["embed"]
-        secs = "/".join(f"{st[k]['seconds']:.0f}" for k in ("select", "embed", "aggregate", "neighbours"))
-        click.echo(f"{e.isoformat():26s} {sel['users']:6d} {sel['pairs_considered']:10d} "
-                   f"{sel['pairs_excluded']:8d} {sel['pairs_selected']:8d} {emb['pairs_per_s']:10.0f} "
-                   f"{st['aggregate']['users']:10d} {st['neighbours']['users_with_neighbour_embedding']:10d}  {secs}")
-    spark.stop()
+    if intervals > 0:
+        from solaris_jobs.demo_refresh import run_refresh_demo
+        run_refresh_demo(workdir, workdir / "models" / f"seed{seed_list[0]}", intervals, last_end, master,
+                         echo=click.echo)
 
 
 def _job_command(name: str, steps: tuple, help_text: str):
@@ -349,6 +324,53 @@ def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_featu
                f"VM {result.model_ms:.2f} ms")
     if reader is not None:
         reader.close()
+
+
+@main.command("backfill")
+@click.option("--start", required=True, help="First interval start (UTC).")
+@click.option("--end", required=True, help="Last interval end (UTC).")
+@click.option("--every", default="1h", help="Interval length.")
+@click.option("--data", default=None, help="Data root (default $SOLARIS_DATA).")
+@click.option("--offline", default=None, help="Offline store root (default $SOLARIS_OFFLINE).")
+@click.option("--models", default=None, help="Folder with fm.pt, ae.pt, vm.pt (default $SOLARIS_MODELS).")
+@click.option("--expire-from", type=click.Choice(["event", "write"]), default=None,
+              help="Online-store expiry (default $SOLARIS_EXPIRE_FROM or event).")
+@click.option("--force", is_flag=True, help="Rerun intervals that are already complete.")
+@click.option("--master", default=None, help="Spark master (default $SOLARIS_SPARK_MASTER or local[*]).")
+@_repo_option
+def backfill_cmd(start, end, every, data, offline, models, expire_from, force, master, feature_repo) -> None:
+    """Run the refresh DAG's task functions interval by interval, without a scheduler: validate, drain misses,
+    select, embed, aggregate, neighbours, materialize, report. Complete intervals (all offline outputs and
+    materialized) are skipped; a failed one is rerun from the start on the next call."""
+    from solaris_jobs import orchestration as o
+    overrides = {k: v for k, v in dict(data=data, offline=offline, models=models, expire_from=expire_from,
+                                       master=master, feature_repo=feature_repo).items() if v is not None}
+    s = o.RefreshSettings.from_env(**overrides)
+    out = o.backfill(s, start, end, every, force=force, progress=sys.stderr.isatty())
+    _echo_json([{k: v for k, v in r.items() if k != "steps"} | (
+        {"report": r["steps"]["report"]} if "steps" in r else {}) for r in out])
+
+
+@main.command("airflow")
+@click.option("--home", default="artifacts/airflow", type=click.Path(file_okay=False), help="AIRFLOW_HOME.")
+@click.option("--port", default=8080, help="API server and UI port on 127.0.0.1 (0: a free one).")
+@click.option("--password", default=None, help="UI password for user admin (default: generated, printed).")
+def airflow_cmd(home, port, password) -> None:
+    """Start Airflow for real with the project's DAGs: API server + UI, scheduler, DAG processor, triggerer
+    (LocalExecutor, SQLite). The SOLARIS_* settings of this shell are passed to the tasks. Ctrl-C stops it."""
+    import time
+
+    from solaris_jobs.airflow_local import LocalAirflow
+    af = LocalAirflow(home, port or None, password=password).start()
+    click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}")
+    try:
+        while all(p.poll() is None for p in af.procs):
+            time.sleep(2)
+        click.echo("an Airflow service exited; stopping", err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        af.stop()
 
 
 @main.group()

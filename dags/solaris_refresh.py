@@ -1,0 +1,122 @@
+"""
+### SOLARIS refresh
+
+Every interval (hourly by default), after it closes: validate the interval's events, move serving misses into
+the offline store, select candidate pairs (request simulator, negative exclusion, VM verifier, misses forced in),
+run the FM on them, recompute user aggregates and neighbours, materialize all three into the online store, and
+report coverage and freshness. Each output is an Airflow Asset (`solaris_pair_embeddings`, ...), so other DAGs
+can be scheduled on it.
+
+Configured by the environment of the workers (see `solaris_jobs/orchestration.py`): `SOLARIS_DATA`,
+`SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_FEATURE_REPO` / `FEAST_FS_YAML_FILE_PATH`, `SOLARIS_PRECOMPUTE`.
+DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,
+`SOLARIS_SPARK_CONN_ID` (Spark steps through `SparkSubmitOperator` instead of in-process),
+`SOLARIS_FM_QUEUE` / `SOLARIS_FM_POOL` (send FM inference to GPU workers).
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, get_current_context, task
+
+ROOT = Path(__file__).resolve().parent.parent
+OFFLINE = os.environ.get("SOLARIS_OFFLINE", str(ROOT / "artifacts" / "offline"))
+SPARK_CONN = os.environ.get("SOLARIS_SPARK_CONN_ID")
+
+
+def _asset(name: str) -> Asset:
+    # A stable URI (Airflow keeps name <-> URI pairs unique): moving the offline store must not orphan the asset;
+    # where the data is goes in `extra`.
+    where = OFFLINE if "://" in OFFLINE else os.path.abspath(OFFLINE)
+    return Asset(name=f"solaris_{name}", uri=f"solaris://offline/{name}", group="solaris",
+                 extra={"path": f"{where.rstrip('/')}/{name}"})
+
+
+ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "neighbours", "reports")}
+ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v1", group="solaris")
+
+DOCS = {
+    "validate": "Reads the interval's events (hour partitions of the event log) and counts them; fails on a "
+                "missing or malformed log. An empty hour is allowed (the refresh still runs on the earlier log).",
+    "drain_misses": "Moves the Redis miss stream (pairs the ranker asked for without a fresh embedding) into "
+                    "`<offline>/misses/`, where selection forces them in. Nothing to do with SQLite.",
+    "select": "Active users and their simulated candidates, negative exclusion, VM verifier scores, top share "
+              "selected. Output: offline `selection`.",
+    "embed": "Batched FM + autoencoder inference on the selected pairs (GPU pool/queue when configured). "
+             "Output: offline `pair_embeddings`.",
+    "aggregate": "Mean pair embedding per user over the trailing 24 h. Output: offline `user_aggregates`.",
+    "neighbours": "FM user embeddings, FAISS top-k, neighbour embeddings. Outputs: `user_embeddings`, "
+                  "`neighbours`.",
+    "materialize": "Writes the interval's three views into the online store (Feast layout, per-view expiry). "
+                   "Fails the task on any store error; only complete intervals are recorded.",
+    "report": "Coverage of the interval's actual events by the previous interval's features (pair, aggregate, "
+              "neighbour, none) and freshness; `<offline>/reports/end=.../report.json`.",
+}
+
+
+def _run(step: str) -> dict:
+    from solaris_jobs import orchestration as o
+    ctx = get_current_context()
+    return o.run_step(o.RefreshSettings.from_env(), step, ctx["data_interval_start"], ctx["data_interval_end"])
+
+
+def _spark_submit(step: str, script: str, **kwargs):
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+    args = ["--data", os.environ.get("SOLARIS_DATA", ""), "--offline", OFFLINE,
+            "--models", os.environ.get("SOLARIS_MODELS", ""),
+            "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}"]
+    return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
+                               application_args=args, doc_md=DOCS[step], **kwargs)
+
+
+with DAG(
+    dag_id="solaris_refresh",
+    schedule=CronDataIntervalTimetable(os.environ.get("SOLARIS_REFRESH_CRON", "0 * * * *"), timezone="UTC"),
+    start_date=datetime.fromisoformat(os.environ.get("SOLARIS_START_DATE", "2026-01-01T00:00:00+00:00")),
+    end_date=datetime.fromisoformat(os.environ["SOLARIS_END_DATE"]) if os.environ.get("SOLARIS_END_DATE") else None,
+    catchup=os.environ.get("SOLARIS_CATCHUP", "false").lower() == "true",
+    max_active_runs=1,
+    default_args={"retries": int(os.environ.get("SOLARIS_RETRIES", "2")),
+                  "retry_delay": timedelta(minutes=float(os.environ.get("SOLARIS_RETRY_MINUTES", "5"))),
+                  "retry_exponential_backoff": True,
+                  "execution_timeout": timedelta(hours=2)},
+    dagrun_timeout=timedelta(hours=6),
+    tags=["solaris", "features"],
+    doc_md=__doc__,
+) as dag:
+    @task(doc_md=DOCS["validate"], execution_timeout=timedelta(minutes=20))
+    def validate() -> dict:
+        return _run("validate")
+
+    @task(doc_md=DOCS["drain_misses"], execution_timeout=timedelta(minutes=20))
+    def drain_misses() -> dict:
+        return _run("drain_misses")
+
+    @task(doc_md=DOCS["materialize"], outlets=[ONLINE], execution_timeout=timedelta(hours=1))
+    def materialize() -> dict:
+        return _run("materialize")
+
+    @task(doc_md=DOCS["report"], outlets=[ASSETS["reports"]], execution_timeout=timedelta(minutes=20))
+    def report() -> dict:
+        return _run("report")
+
+    fm_queue = {k: v for k, v in (("queue", os.environ.get("SOLARIS_FM_QUEUE")),
+                                  ("pool", os.environ.get("SOLARIS_FM_POOL"))) if v}
+    spark_tasks = []
+    for step, script, outlets, extra in (
+            ("select", "select_candidates.py", [ASSETS["selection"]], {}),
+            ("embed", "fm_inference.py", [ASSETS["pair_embeddings"]], fm_queue),
+            ("aggregate", "user_aggregates.py", [ASSETS["user_aggregates"]], {}),
+            ("neighbours", "neighbours.py", [ASSETS["neighbours"]], {})):
+        if SPARK_CONN:
+            spark_tasks.append(_spark_submit(step, script, outlets=outlets, **extra))
+        else:
+            spark_tasks.append(task(task_id=step, doc_md=DOCS[step], outlets=outlets, **extra)(_run)(step))
+
+    first = validate() >> drain_misses()
+    chain = first
+    for t in spark_tasks:
+        chain = chain >> t
+    chain >> materialize() >> report()

@@ -1,0 +1,76 @@
+"""
+### SOLARIS training
+
+Weekly (or on demand): train the FM, its autoencoder, the verifier VM and the transfer VM (the ranker's model,
+which takes SOLARIS features) on the event log, into a new version folder; publish it by switching the
+`current` link atomically; then re-embed the latest refreshed interval with the new models and materialize it,
+so that the online store holds embeddings of the new version. Old-version embeddings are never mixed with new
+ones: user aggregates only average pairs of one version, and the serving client only serves the version the
+ranker's VM was trained with (until the ranker loads the new VM it gets tier none for re-embedded keys).
+
+Environment: `SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY` (holds `versions/<stamp>/` and the `current` link; point
+`SOLARIS_MODELS` at `<registry>/current` for the refresh DAG), `SOLARIS_TRAIN` (JSON: epochs, history_len,
+d_model, layers, d_interaction, d_code, max_train_rows, batch_size), `SOLARIS_TRAIN_CRON` (default weekly,
+`none` for on demand only), plus the refresh DAG's settings for the re-embedding.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, task
+
+CRON = os.environ.get("SOLARIS_TRAIN_CRON", "0 3 * * 0")
+
+with DAG(
+    dag_id="solaris_train",
+    schedule=None if CRON.lower() == "none" else CronTriggerTimetable(CRON, timezone="UTC"),
+    start_date=datetime.fromisoformat(os.environ.get("SOLARIS_START_DATE", "2026-01-01T00:00:00+00:00")),
+    catchup=False,
+    max_active_runs=1,
+    default_args={"retries": int(os.environ.get("SOLARIS_RETRIES", "1")), "retry_delay": timedelta(minutes=10),
+                  "execution_timeout": timedelta(hours=12)},
+    tags=["solaris", "training"],
+    doc_md=__doc__,
+) as dag:
+    def _version_dir() -> str:
+        ctx = get_current_context()
+        return ctx["ti"].xcom_pull(task_ids="prepare")
+
+    @task(doc_md="Creates `versions/<run stamp>/` in the model registry for this run's checkpoints.")
+    def prepare() -> str:
+        from solaris_jobs import training_flow as t
+        return t.new_version_dir(get_current_context()["run_id"])
+
+    @task(doc_md="Trains the foundation model (sequence model, label + rating heads). Output: fm.pt.")
+    def train_fm() -> dict:
+        from solaris_jobs import training_flow as t
+        return t.train("fm", _version_dir())
+
+    @task(doc_md="Trains the autoencoder on the new FM's interaction embeddings. Output: ae.pt.")
+    def train_ae() -> dict:
+        from solaris_jobs import training_flow as t
+        return t.train("ae", _version_dir())
+
+    @task(doc_md="Trains the verifier VM (no FM input), used by candidate selection. Output: vm.pt.")
+    def train_verifier() -> dict:
+        from solaris_jobs import training_flow as t
+        return t.train("vm", _version_dir())
+
+    @task(doc_md="Trains the ranker's VM with the new FM's embeddings as input. Output: vm_transfer.pt.")
+    def train_ranker_vm() -> dict:
+        from solaris_jobs import training_flow as t
+        return t.train("vm_transfer", _version_dir())
+
+    @task(doc_md="Checks the four checkpoints belong together and switches `current` to them atomically.")
+    def publish() -> dict:
+        from solaris_jobs import training_flow as t
+        return t.publish(_version_dir())
+
+    @task(doc_md="Re-embeds the latest refreshed interval with the new models (FM inference, aggregates, "
+                 "neighbours) and materializes it: the online store holds the new version.")
+    def reembed() -> dict:
+        from solaris_jobs import training_flow as t
+        return t.reembed_latest()
+
+    prepare() >> train_fm() >> train_ae() >> train_verifier() >> train_ranker_vm() >> publish() >> reembed()

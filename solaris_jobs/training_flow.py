@@ -1,0 +1,106 @@
+"""The training DAG's task functions: versioned model folders, training, atomic publication, re-embedding.
+
+Registry layout (``$SOLARIS_MODEL_REGISTRY``)::
+
+    versions/<stamp>/{fm,ae,vm,vm_transfer}.pt     one folder per training run
+    current -> versions/<stamp>                    what the refresh DAG uses ($SOLARIS_MODELS=<registry>/current)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import pandas as pd
+
+logger = logging.getLogger(__name__)
+
+TRAIN_DEFAULTS = {"epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2,
+                  "d_interaction": 128, "d_code": 32, "max_train_rows": None, "seed": 0}
+
+
+def registry() -> Path:
+    root = os.environ.get("SOLARIS_MODEL_REGISTRY")
+    if not root:
+        raise ValueError("set SOLARIS_MODEL_REGISTRY (the folder holding versions/ and the current link)")
+    return Path(root)
+
+
+def train_settings() -> dict:
+    raw = os.environ.get("SOLARIS_TRAIN")
+    o = json.loads(raw) if raw else {}
+    unknown = set(o) - set(TRAIN_DEFAULTS)
+    if unknown:
+        raise ValueError(f"SOLARIS_TRAIN: unknown settings {sorted(unknown)}; known: {sorted(TRAIN_DEFAULTS)}")
+    return {**TRAIN_DEFAULTS, **o}
+
+
+def new_version_dir(run_id: str) -> str:
+    stamp = re.sub(r"[^0-9A-Za-z_.-]", "_", run_id)
+    path = registry() / "versions" / stamp
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def train(kind: str, version_dir: str) -> dict:
+    """Trains one model of the version (fm, ae, vm = the verifier, vm_transfer = the ranker's VM)."""
+    from solaris_jobs import training
+    o = train_settings()
+    d = Path(version_dir)
+    cfg = training.TrainConfig(epochs=o["epochs"], batch_size=o["batch_size"], seed=o["seed"],
+                               history_len=o["history_len"], max_train_rows=o["max_train_rows"])
+    data = training.load_dataset(os.environ["SOLARIS_DATA"], o["history_len"], max_train_rows=o["max_train_rows"],
+                                 seed=o["seed"])
+    if kind == "fm":
+        m = training.train_fm(data, d / "fm.pt", cfg, d_model=o["d_model"], n_layers=o["layers"],
+                              d_interaction=o["d_interaction"])
+    elif kind == "ae":
+        m = training.train_ae(data, d / "fm.pt", d / "ae.pt", cfg, d_code=o["d_code"])
+    elif kind == "vm":
+        m = training.train_vm(data, d / "vm.pt", cfg)
+    elif kind == "vm_transfer":
+        m = training.train_vm(data, d / "vm_transfer.pt", cfg, mode="transfer", fm_path=d / "fm.pt",
+                              ae_path=d / "ae.pt")
+    else:
+        raise ValueError(f"unknown model kind {kind!r}")
+    return json.loads(json.dumps({k: v for k, v in m.items() if k != "history"}, default=str))
+
+
+def publish(version_dir: str) -> dict:
+    """Checks that the version's checkpoints belong together, then points ``current`` at it atomically."""
+    from models import load_checkpoint
+    from solaris_jobs.ranker import embedding_version
+    d = Path(version_dir).resolve()
+    metas = {k: load_checkpoint(d / f"{k}.pt")[1] for k in ("fm", "ae", "vm", "vm_transfer")}
+    fm_v, ae_v = metas["fm"]["model_version"], metas["ae"]["model_version"]
+    if metas["ae"]["extra"].get("fm_version") != fm_v:
+        raise ValueError(f"{d}: ae.pt was trained on FM {metas['ae']['extra'].get('fm_version')}, not {fm_v}")
+    if embedding_version(metas["vm_transfer"]) != f"{fm_v}+{ae_v}":
+        raise ValueError(f"{d}: vm_transfer.pt takes embeddings {embedding_version(metas['vm_transfer'])}, "
+                         f"not {fm_v}+{ae_v}")
+    current = registry() / "current"
+    tmp = registry() / f".current-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(d, target_is_directory=True)
+    os.replace(tmp, current)
+    logger.info("published %s (embeddings %s+%s)", d, fm_v, ae_v)
+    return {"current": str(d), "embedding_version": f"{fm_v}+{ae_v}"}
+
+
+def reembed_latest() -> dict:
+    """Re-embeds the latest materialized interval with the current models and materializes it again."""
+    from solaris_jobs import orchestration as o
+    from solaris_jobs.materialize import materialized_intervals
+    s = o.RefreshSettings.from_env(models=str(registry() / "current"))
+    done = materialized_intervals(s.store())
+    if not done:
+        return {"skipped": "no interval was materialized yet"}
+    end = max(done)
+    start = end - pd.Timedelta(hours=1)            # the refresh DAG's hourly interval
+    out = {"interval_end": end.isoformat()}
+    for step in ("embed", "aggregate", "neighbours", "materialize"):
+        out[step] = o.run_step(s, step, start, end)
+    return out

@@ -1,0 +1,243 @@
+"""The Airflow DAGs on real Airflow 3: integrity, ``dag.test()`` end to end on MovieLens with the SQLite and the
+Redis online store, and backfills through ``solaris backfill``'s task functions."""
+import importlib.util
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import redis
+
+from tests.conftest import ML_CFG, ML_END
+from tests.servers import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DAGS = ROOT / "dags"
+HOUR = pd.Timedelta(hours=1)
+HEAVY = ("torch", "pyspark", "feast", "pandas", "solaris_jobs", "faiss", "redis")
+
+
+def _precompute_json() -> str:
+    return json.dumps({"lookback_days": ML_CFG.lookback_days, "active_hours": ML_CFG.active_hours,
+                       "history_len": ML_CFG.history_len, "batch_size": ML_CFG.batch_size,
+                       "simulator": {"n_candidates": ML_CFG.simulator.n_candidates,
+                                     "n_popular": ML_CFG.simulator.n_popular}})
+
+
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory, movielens_root, ml_models):
+    """A fresh Airflow home (SQLite metadata DB, migrated) and the SOLARIS settings the tasks read."""
+    home = tmp_path_factory.mktemp("airflow_home")
+    mp = pytest.MonkeyPatch()
+    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS), "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+           "SOLARIS_DATA": str(movielens_root), "SOLARIS_MODELS": str(ml_models), "SOLARIS_EXPIRE_FROM": "write",
+           "SOLARIS_PRECOMPUTE": _precompute_json(), "SOLARIS_START_DATE": "1998-01-01T00:00:00+00:00",
+           "SOLARIS_FEATURE_REPO": str(ROOT / "feature_repo"), "SOLARIS_RETRIES": "0"}
+    for k, v in env.items():
+        mp.setenv(k, v)
+    from airflow.utils import db
+    db.initdb()
+    yield env
+    mp.undo()
+
+
+def _load_dag(path: Path):
+    spec = importlib.util.spec_from_file_location(f"dag_{path.stem}_{os.getpid()}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.dag
+
+
+def test_dag_integrity(airflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+    bag = DagBag(dag_folder=str(DAGS))
+    assert bag.import_errors == {}
+    dag = bag.get_dag("solaris_refresh")
+    assert "solaris" in dag.tags and dag.max_active_runs == 1 and dag.doc_md
+    order = ["validate", "drain_misses", "select", "embed", "aggregate", "neighbours", "materialize", "report"]
+    assert sorted(dag.task_ids) == sorted(order)
+    for a, b in zip(order, order[1:]):
+        assert b in dag.get_task(a).downstream_task_ids, (a, b)
+    for t in dag.tasks:
+        assert t.retries >= 1 and t.doc_md and t.execution_timeout is not None, t.task_id
+    assert {o.name for t in dag.tasks for o in t.outlets} >= {
+        "solaris_selection", "solaris_pair_embeddings", "solaris_user_aggregates", "solaris_neighbours",
+        "solaris_online_store"}
+    # Parsing imports none of the heavy libraries (a fresh interpreter, as the DAG processor has), and with a
+    # Spark connection the Spark steps become SparkSubmitOperators (the FM one on the configured queue).
+    code = ("import sys, importlib.util as u; s = u.spec_from_file_location('d', sys.argv[1]); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); import json; "
+            "print(json.dumps({'heavy': [k for k in sys.argv[2:] if k in sys.modules], "
+            "'ops': {t.task_id: type(t).__name__ for t in m.dag.tasks}, 'queue': m.dag.get_task('embed').queue}))")
+    for conn, kind in ((None, "_PythonDecoratedOperator"), ("spark_default", "SparkSubmitOperator")):
+        env = {**os.environ, "SOLARIS_FM_QUEUE": "gpu"}
+        if conn:
+            env["SOLARIS_SPARK_CONN_ID"] = conn
+        res = subprocess.run([sys.executable, "-c", code, str(DAGS / "solaris_refresh.py"), *HEAVY],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+        info = json.loads(res.stdout.strip().splitlines()[-1])
+        assert info["heavy"] == [], info
+        assert info["ops"]["embed"] == kind and info["ops"]["validate"] == "_PythonDecoratedOperator"
+        assert info["queue"] == "gpu"
+
+
+def _sqlite_yaml(tmp_path: Path) -> Path:
+    p = tmp_path / "fs.yaml"
+    p.write_text(f"project: solaris\nprovider: local\nregistry: {tmp_path / 'registry.db'}\nonline_store:\n"
+                 f"  type: sqlite\n  path: {tmp_path / 'online.db'}\nentity_key_serialization_version: 3\n")
+    return p
+
+
+def _redis_yaml(tmp_path: Path, server: RedisServer) -> Path:
+    p = tmp_path / "fs.yaml"
+    p.write_text(f"project: solaris\nprovider: local\nregistry: {tmp_path / 'registry.db'}\nonline_store:\n"
+                 f"  type: redis\n  connection_string: \"{server.url}\"\nentity_key_serialization_version: 3\n")
+    return p
+
+
+def _dump_sqlite(path: Path) -> dict:
+    conn = sqlite3.connect(str(path))
+    try:
+        return {t: conn.execute(f'SELECT entity_key, feature_name, value, event_ts FROM "{t}" '
+                                f'ORDER BY entity_key, feature_name').fetchall()
+                for (t,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name LIKE 'solaris_%' "
+                                         "AND name != 'solaris_materialized'")}
+    finally:
+        conn.close()
+
+
+def _dump_redis(port: int) -> dict:
+    c = redis.Redis(port=port)
+    return {k: c.hgetall(k) for k in sorted(c.scan_iter(count=10_000)) if not k.startswith(b"solaris:")}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+def test_refresh_dag_test_end_to_end(kind, airflow_env, spark, tmp_path, monkeypatch):
+    from solaris_jobs import store_config
+    from solaris_jobs.materialize import materialized_intervals
+    from solaris_jobs.serving import FeatureReader
+    offline = tmp_path / "offline"
+    monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
+    server = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    try:
+        yaml_path = _redis_yaml(tmp_path, server) if server else _sqlite_yaml(tmp_path)
+        monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
+        dag = _load_dag(DAGS / "solaris_refresh.py")
+        # A manual run's data interval is the one that ended at its logical date (run-after semantics).
+        run = dag.test(logical_date=ML_END.to_pydatetime())
+        states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+        assert run.state == "success", states
+        assert pd.Timestamp(run.data_interval_start) == ML_END - HOUR and pd.Timestamp(run.data_interval_end) == ML_END
+        assert set(states.values()) == {"success"}
+        cfg = store_config.load(ROOT / "feature_repo", yaml_path)
+        assert ML_END in materialized_intervals(cfg)
+        report = json.loads((offline / "reports" / f"end={ML_END.strftime('%Y%m%dT%H%M%SZ')}" / "report.json")
+                            .read_text())
+        assert report["materialized"] and report["interval_end"] == ML_END.isoformat()
+        pairs = pd.read_parquet(offline / "pair_embeddings")
+        user = int(pairs.user_id.iloc[0])
+        mine = pairs[pairs.user_id == user]
+        reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+        f = reader.read(user, mine.item_id.to_numpy(), ML_END + HOUR)
+        assert set(f.tier_names()) == {"pair"}
+        reader.close()
+    finally:
+        if server:
+            server.stop()
+
+
+def test_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from solaris_jobs import orchestration as o
+    from solaris_jobs.cli import main
+    offline = tmp_path / "offline"
+    monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
+    yaml_path = _sqlite_yaml(tmp_path)
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
+    s = o.RefreshSettings.from_env()
+    start = ML_END - 3 * HOUR
+    first = o.backfill(s, start, ML_END)
+    assert [r["status"] for r in first] == ["done"] * 3
+    assert [r["interval_end"] for r in first] == [(start + k * HOUR).isoformat() for k in (1, 2, 3)]
+    before = _dump_sqlite(tmp_path / "online.db")
+    assert before and all(rows for rows in before.values())
+    again = o.backfill(s, start, ML_END, force=True)
+    assert [r["status"] for r in again] == ["done"] * 3
+    assert _dump_sqlite(tmp_path / "online.db") == before
+    # Without --force every interval is complete and skipped; a missing output makes its interval run again.
+    res = CliRunner().invoke(main, ["backfill", "--start", start.isoformat(), "--end", ML_END.isoformat()])
+    assert res.exit_code == 0, res.output
+    assert [r["status"] for r in json.loads(res.stdout)] == ["skipped"] * 3
+    import shutil
+    shutil.rmtree(offline / "neighbours" / f"end={(start + 2 * HOUR).strftime('%Y%m%dT%H%M%SZ')}")
+    out = o.backfill(s, start, ML_END)
+    assert [r["status"] for r in out] == ["skipped", "done", "skipped"]
+    assert _dump_sqlite(tmp_path / "online.db") == before
+
+
+def test_refresh_triggered_through_the_rest_api_of_real_airflow(airflow_env, tmp_path):
+    """API server, scheduler, DAG processor and triggerer as real processes on free ports; the run is triggered
+    and watched through the REST API; every task runs in its own process (LocalExecutor), Spark included."""
+    from solaris_jobs import store_config
+    from solaris_jobs.airflow_local import LocalAirflow
+    from solaris_jobs.materialize import materialized_intervals
+    yaml_path = _sqlite_yaml(tmp_path)
+    env = {"SOLARIS_OFFLINE": str(tmp_path / "offline"), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
+           "SOLARIS_END_DATE": ML_END.isoformat(), "SOLARIS_SPARK_MASTER": "local[2]",
+           "SOLARIS_SPARK_DRIVER_MEMORY": "1g", "SOLARIS_RETRIES": "0"}
+    with LocalAirflow(tmp_path / "airflow", env=env, parallelism=2) as af:
+        af.wait_for_dag("solaris_refresh")
+        run_id = af.trigger("solaris_refresh", (ML_END - HOUR).isoformat(), ML_END.isoformat())
+        state = af.wait_for_run("solaris_refresh", run_id, timeout=900)
+        states = af.task_states("solaris_refresh", run_id)
+        assert state == "success", (states, sorted((tmp_path / "airflow" / "logs").rglob("*.log"))[-3:])
+    assert set(states.values()) == {"success"} and len(states) == 8
+    cfg = store_config.load(ROOT / "feature_repo", yaml_path)
+    assert ML_END in materialized_intervals(cfg)
+    assert _dump_sqlite(tmp_path / "online.db")["solaris_pair_embeddings"]
+
+
+def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path, monkeypatch):
+    """dag.test() of solaris_train on MovieLens with tiny models: a new version folder, `current` switched
+    atomically, the latest interval re-embedded and re-materialized with the new version only."""
+    from solaris_jobs import orchestration as o
+    from solaris_jobs import store_config
+    from solaris_jobs.serving import FeatureReader
+    reg = tmp_path / "registry"
+    (reg / "versions").mkdir(parents=True)
+    (reg / "current").symlink_to(Path(airflow_env["SOLARIS_MODELS"]), target_is_directory=True)
+    offline = tmp_path / "offline"
+    yaml_path = _sqlite_yaml(tmp_path)
+    for k, v in {"SOLARIS_MODEL_REGISTRY": str(reg), "SOLARIS_MODELS": str(reg / "current"),
+                 "SOLARIS_OFFLINE": str(offline), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
+                 "SOLARIS_TRAIN": json.dumps({"epochs": 1, "history_len": 10, "d_model": 16, "layers": 1,
+                                              "d_interaction": 32, "d_code": 8, "max_train_rows": 20_000}),
+                 "SOLARIS_TRAIN_CRON": "none"}.items():
+        monkeypatch.setenv(k, v)
+    s = o.RefreshSettings.from_env()
+    o.backfill(s, ML_END - HOUR, ML_END)                      # one interval with the old models
+    old = pd.read_parquet(offline / "pair_embeddings").model_version.unique().tolist()
+    run = _load_dag(DAGS / "solaris_train.py").test()
+    assert run.state == "success", {ti.task_id: ti.state for ti in run.get_task_instances()}
+    current = (reg / "current").resolve()
+    assert current.parent == (reg / "versions").resolve()
+    assert {p.name for p in current.iterdir()} >= {"fm.pt", "ae.pt", "vm.pt", "vm_transfer.pt"}
+    new = pd.read_parquet(offline / "pair_embeddings").model_version.unique().tolist()
+    assert len(old) == len(new) == 1 and old != new
+    assert pd.read_parquet(offline / "user_aggregates").model_version.unique().tolist() == new
+    pairs = pd.read_parquet(offline / "pair_embeddings")
+    user = int(pairs.user_id.iloc[0])
+    items = pairs[pairs.user_id == user].item_id.to_numpy()
+    cfg = store_config.load(ROOT / "feature_repo", yaml_path)
+    for version, tier in ((new[0], "pair"), (old[0], "none")):
+        reader = FeatureReader(cfg, version, len(pairs.embedding.iloc[0]), misses=None)
+        assert set(reader.read(user, items, ML_END + HOUR).tier_names()) == {tier}, version
+        reader.close()
