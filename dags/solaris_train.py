@@ -42,25 +42,15 @@ with DAG(
         from solaris_jobs import training_flow as t
         return t.new_version_dir(get_current_context()["run_id"])
 
-    @task(doc_md="Trains the foundation model (sequence model, label + rating heads). Output: fm.pt.")
-    def train_fm() -> dict:
+    def _train(kind: str) -> dict:
         from solaris_jobs import training_flow as t
-        return t.train("fm", _version_dir())
+        return t.train(kind, _version_dir())
 
-    @task(doc_md="Trains the autoencoder on the new FM's interaction embeddings. Output: ae.pt.")
-    def train_ae() -> dict:
-        from solaris_jobs import training_flow as t
-        return t.train("ae", _version_dir())
-
-    @task(doc_md="Trains the verifier VM (no FM input), used by candidate selection. Output: vm.pt.")
-    def train_verifier() -> dict:
-        from solaris_jobs import training_flow as t
-        return t.train("vm", _version_dir())
-
-    @task(doc_md="Trains the ranker's VM with the new FM's embeddings as input. Output: vm_transfer.pt.")
-    def train_ranker_vm() -> dict:
-        from solaris_jobs import training_flow as t
-        return t.train("vm_transfer", _version_dir())
+    trains = [task(task_id=f"train_{kind}", doc_md=doc)(_train)(kind) for kind, doc in (
+        ("fm", "Trains the foundation model (sequence model, label + rating heads). Output: fm.pt."),
+        ("ae", "Trains the autoencoder on the new FM's interaction embeddings. Output: ae.pt."),
+        ("vm", "Trains the verifier VM (no FM input), used by candidate selection. Output: vm.pt."),
+        ("vm_transfer", "Trains the ranker's VM with the new FM's embeddings as input. Output: vm_transfer.pt."))]
 
     @task(doc_md="Checks the four checkpoints belong together and switches `current` to them atomically.")
     def publish() -> dict:
@@ -73,4 +63,7 @@ with DAG(
         from solaris_jobs import training_flow as t
         return t.reembed_latest()
 
-    prepare() >> train_fm() >> train_ae() >> train_verifier() >> train_ranker_vm() >> publish() >> reembed()
+    chain = prepare()
+    for t in trains:
+        chain = chain >> t
+    chain >> publish() >> reembed()
