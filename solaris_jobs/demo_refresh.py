@@ -22,6 +22,8 @@ def _settings_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -
             "SOLARIS_START_DATE": "1998-01-01T00:00:00+00:00", "SOLARIS_END_DATE": end.isoformat(),
             "SOLARIS_RETRIES": "0",
             "AIRFLOW_HOME": str(workdir / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            # dag.test() serializes the DAG into its bundle: the DAG file must be in the dags folder.
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DEFAULT_REPO.parent / "dags"),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{workdir / 'airflow' / 'airflow.db'}"}
 
 
