@@ -52,7 +52,7 @@ def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, mast
         rep = json.loads((workdir / "offline" / "reports" / f"end={e.strftime('%Y%m%dT%H%M%SZ')}" / "report.json")
                          .read_text())
         rows.append((e, rep, secs, time.perf_counter() - t0))
-    echo(f"\\nrefresh DAG (dag.test) over {intervals} hourly interval(s); offline store {workdir / 'offline'}, "
+    echo(f"\nrefresh DAG (dag.test) over {intervals} hourly interval(s); offline store {workdir / 'offline'}, "
          f"online store {DEFAULT_REPO / 'data' / 'online_store.db'}")
     echo(f"{'interval end':26s} {'events':>6s} {'pair':>6s} {'aggr.':>6s} {'nbr.':>6s} {'none':>6s}  "
          f"seconds per task (select/embed/aggregate/neighbours/materialize), run")
@@ -85,7 +85,7 @@ def _show_reads(workdir: Path, models: Path, end: pd.Timestamp, echo) -> None:
     got = fs.get_online_features(features=fs.get_feature_service("solaris_v1"), full_feature_names=True,
                                  entity_rows=[{"user_id": user, "item_id": item}]).to_dict()
     emb = got["pair_embeddings__embedding"][0]
-    echo(f"\\nFeast SDK, FeatureService solaris_v1, user {user} item {item}: pair embedding "
+    echo(f"\nFeast SDK, FeatureService solaris_v1, user {user} item {item}: pair embedding "
          f"[{', '.join(f'{x:.3f}' for x in emb[:4])}, ...] ({len(emb)} floats), model "
          f"{got['pair_embeddings__model_version'][0]}, user aggregate over {got['user_aggregates__n_pairs'][0]} "
          f"pairs, {got['neighbours__n_neighbours'][0]} neighbours")

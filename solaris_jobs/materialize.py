@@ -158,7 +158,7 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
     end = end.tz_localize("UTC") if end.tzinfo is None else end.tz_convert("UTC")
     now = pd.Timestamp.now(tz="UTC") if now is None else pd.Timestamp(now)
     now = now.tz_localize("UTC") if now.tzinfo is None else now
-    created = now.tz_localize(None).isoformat(sep=" ")
+    created = int(now.timestamp())          # Feast's SQLite store keeps times as epoch seconds
     if cfg.kind == "redis":
         client = redis_client(cfg, timeout_s=60)
         writer = ClusterWriter(client, cfg) if cfg.redis_type == "redis_cluster" else RedisWriter(client)
@@ -198,7 +198,7 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
                         writer.write(view, part, ns // 10**9, ns % 10**9, expire_at.value // 10**6, fields,
                                      shared=shared[name], check_newer=check_newer)
                     else:
-                        writer.write(view, part, ts.tz_localize(None).isoformat(sep=" "), created, fields)
+                        writer.write(view, part, int(ts.timestamp()), created, fields)
             st["written"], st["skipped_older"] = writer.flush()
             secs = time.perf_counter() - t0
             out["views"][name] = {**{k: int(st[k]) for k in ("rows", "written", "skipped_older", "expired")},

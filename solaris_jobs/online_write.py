@@ -337,7 +337,8 @@ class SqliteWriter:
         self.conn.execute(f'CREATE INDEX IF NOT EXISTS "{name}_ek" ON "{name}" (entity_key)')
         return name
 
-    def write(self, view: View, enc: Encoded, event_ts: str, created_ts: str, fields: list[str]) -> None:
+    def write(self, view: View, enc: Encoded, event_ts: int, created_ts: int, fields: list[str]) -> None:
+        """``event_ts``/``created_ts``: epoch seconds, as Feast 0.67's SQLite adapter stores datetimes."""
         table = self.table(view)
         before = self.conn.total_changes
         sql = (f'INSERT INTO "{table}" (entity_key, feature_name, value, event_ts, created_ts) VALUES (?,?,?,?,?) '

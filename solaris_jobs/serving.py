@@ -344,7 +344,9 @@ class FeatureReader:
         def triple(rec):
             if rec is None or EMBEDDING not in rec:
                 return None
-            return rec[EMBEDDING], rec.get(MODEL_VERSION), pd.Timestamp(rec["_ts"], tz="UTC").timestamp()
+            ts = rec["_ts"]            # epoch seconds (Feast 0.67); ISO text from older writers
+            return rec[EMBEDDING], rec.get(MODEL_VERSION), (float(ts) if isinstance(ts, (int, float)) else
+                                                            pd.Timestamp(ts, tz="UTC").timestamp())
 
         ukey = ff.entity_key({"user_id": user})
         pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),

@@ -45,7 +45,7 @@ def test_feast_byte_formats_match_feast():
     assert np.array_equal(dec[:4], m) and ok.tolist() == [True] * 4 + [False, False]
 
 
-def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path):
+def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
     """Bad offline rows are counted per reason and never written; the good ones are served (SQLite, no Spark)."""
     end = pd.Timestamp("2026-01-05T01:00:00Z")
     d = tmp_path / "offline" / "pair_embeddings" / f"end={end.strftime('%Y%m%dT%H%M%SZ')}"
@@ -62,6 +62,11 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path):
     assert st["pair_embeddings"]["rows"] == 7 and st["pair_embeddings"]["written"] == 3
     assert st["pair_embeddings"]["rejected"] == {"null user_id": 1, "no embedding": 1, "embedding width is not 4": 1,
                                                  "non-finite embedding value": 1}
+    fs = _feast(cfg.yaml_path, str(tmp_path / "offline"), monkeypatch)      # the stock SDK reads our SQLite rows
+    got = fs.get_online_features(features=["pair_embeddings:embedding", "pair_embeddings:model_version"],
+                                 entity_rows=[{"user_id": 1, "item_id": i} for i in (10, 11, 12)]).to_dict()
+    assert np.array_equal(np.asarray(got["embedding"], np.float32), np.stack(good))
+    assert got["model_version"] == ["v1"] * 3
     reader = FeatureReader(cfg, "v1", 4, misses=None)
     f = reader.read(1, [10, 11, 12, 14, 15, 16], end + HOUR)
     assert f.tier_names() == ["pair"] * 3 + ["none"] * 3
