@@ -200,6 +200,7 @@ def _job_command(name: str, steps: tuple, help_text: str):
     def callback(**kw):
         import argparse
 
+        from solaris_jobs.events import split_intervals
         from solaris_jobs.spark import spark_session
         from spark_jobs import refresh
         from spark_jobs.common import config
@@ -208,7 +209,7 @@ def _job_command(name: str, steps: tuple, help_text: str):
         job, cfg = config(ns)
         spark = spark_session(f"solaris-{name}", ns.master)
         results = []
-        for s, e in _intervals(job.start, job.end, every):
+        for s, e in split_intervals(job.start, job.end, every):
             one = type(job)(job.data, job.offline, job.models, s.isoformat(), e.isoformat())
             results.append(refresh.run(spark, one, cfg, steps))
         out = results[0] if len(results) == 1 else results
@@ -240,20 +241,6 @@ for _name, _steps, _help in [
     main.add_command(_job_command(_name, _steps, _help))
 
 
-def _intervals(start, end, every):
-    import pandas as pd
-
-    from solaris_jobs.events import to_utc
-    start, end = to_utc(start), to_utc(end)
-    if end <= start:
-        raise ValueError(f"interval end {end} is not after its start {start}")
-    bounds = [start]
-    step = pd.Timedelta(every) if every else None
-    while step is not None and bounds[-1] + step < end:
-        bounds.append(bounds[-1] + step)
-    return list(zip(bounds, bounds[1:] + [end]))
-
-
 _repo_option = click.option("--feature-repo", default=None, type=click.Path(file_okay=False),
                             help="Feast repo (default $SOLARIS_FEATURE_REPO or ./feature_repo); the online store "
                                  "is its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH.")
@@ -273,11 +260,12 @@ def materialize_cmd(offline, start, end, every, view_names, expire_from, always_
     """Write intervals' pair embeddings, user aggregates and neighbours into the online store (Feast's layout,
     per-view expiry). Exits non-zero if any write fails; only complete intervals are recorded as materialized."""
     from solaris_jobs import store_config
+    from solaris_jobs.events import split_intervals
     from solaris_jobs.materialize import materialize
     cfg = store_config.load(feature_repo)
     names = view_names.split(",") if view_names else None
     out = [materialize(cfg, offline, e, names, expire_from=expire_from, always_check=always_check)
-           for _, e in _intervals(start, end, every)]
+           for _, e in split_intervals(start, end, every)]
     _echo_json(out[0] if len(out) == 1 else out)
 
 

@@ -210,3 +210,16 @@ def read_side(root: str | os.PathLike, kind: str) -> pd.DataFrame:
     if not path.exists():
         return pd.DataFrame({key: pd.Series([], dtype="int64")})
     return pq.read_table(path).to_pandas()
+
+
+def split_intervals(start, end, every=None) -> list[tuple[pd.Timestamp, pd.Timestamp]]:
+    """``[start, end)`` as consecutive intervals of length ``every`` (a pandas Timedelta string; the last may be
+    shorter), or as one interval when ``every`` is None. Naive times are UTC."""
+    start, end = to_utc(start), to_utc(end)
+    if end <= start:
+        raise ValueError(f"interval end {end} is not after its start {start}")
+    bounds = [start]
+    step = pd.Timedelta(every) if every else None
+    while step is not None and bounds[-1] + step < end:
+        bounds.append(bounds[-1] + step)
+    return list(zip(bounds, bounds[1:] + [end]))

@@ -202,9 +202,9 @@ def backfill(s: RefreshSettings, start, end, every="1h", force: bool = False, pr
     Returns:
         Per interval: {"interval_end", "status": "done" | "skipped", "steps": {step: stats}, "seconds": {...}}.
     """
-    from solaris_jobs.cli import _intervals
+    from solaris_jobs.events import split_intervals
     from solaris_jobs.spark import spark_session
-    intervals = _intervals(start, end, every)
+    intervals = split_intervals(start, end, every)
     spark = None
     out = []
     bar = None
