@@ -53,6 +53,11 @@ REJECT_SCHEMA = pa.schema(
 )
 
 
+# Why an event row that reads is still set aside, in the order they are checked (the first that applies counts).
+BAD_EVENT_REASONS = ("user_id is null or <= 0", "item_id is null or <= 0", "event_timestamp is null",
+                     "label is not 0, 1 or null")
+
+
 class DataContractError(ValueError):
     """Input that cannot be read into a SOLARIS contract; the message names the file, column and value."""
 
@@ -173,6 +178,21 @@ def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str
     cols = columns or EVENT_SCHEMA.names
     table = dataset.to_table(columns=cols, filter=flt)
     return table.sort_by([("event_timestamp", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")])
+
+
+def bad_event_counts(table: pa.Table) -> dict[str, int]:
+    """Rows of an event table that ``precompute.split_bad_events`` sets aside, counted per reason."""
+    def nonpositive(col):
+        return pc.fill_null(pc.less_equal(table[col], 0), True)
+    masks = [nonpositive("user_id"), nonpositive("item_id"), pc.is_null(table["event_timestamp"]),
+             pc.fill_null(pc.invert(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), False)]
+    taken = np.zeros(table.num_rows, bool)
+    out = {}
+    for reason, mask in zip(BAD_EVENT_REASONS, masks):
+        m = mask.to_numpy(zero_copy_only=False) & ~taken
+        out[reason] = int(m.sum())
+        taken |= m
+    return out
 
 
 def _and(a, b):

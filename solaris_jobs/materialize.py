@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from solaris_jobs import feast_format as ff
+from solaris_jobs.events import to_utc as _utc
 from solaris_jobs.feature_views import EMBEDDING, MODEL_VERSION, View, views
 from solaris_jobs.online_write import ClusterWriter, Encoded, RedisWriter, SqliteWriter
 from solaris_jobs.store_config import StoreConfig, redis_client
@@ -130,10 +131,11 @@ def _constant_version(enc: Encoded, view: View, idx: np.ndarray, version: str) -
 
 
 def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_from: str = "event",
-                now=None, batch_rows: int = 50_000, env=None, always_check: bool = False) -> dict:
+                now=None, batch_rows: int = 50_000, env=None, always_check: bool = False, start=None) -> dict:
     """Writes the interval ending at ``end`` into the online store.
 
     Args:
+        start: the interval's start, recorded with it (the training DAG re-embeds ``[start, end)``).
         expire_from: ``event``: a key expires at its row's event time + the view's TTL (rows already past it are
             not written, and counted); ``write``: at the write time + TTL (replays of old data, the demo).
         now: the clock for ``expire_from`` (default: the wall clock).
@@ -154,10 +156,8 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
     unknown = set(names) - set(all_views)
     if unknown:
         raise ValueError(f"unknown feature views {sorted(unknown)}; known: {sorted(all_views)}")
-    end = pd.Timestamp(end)
-    end = end.tz_localize("UTC") if end.tzinfo is None else end.tz_convert("UTC")
-    now = pd.Timestamp.now(tz="UTC") if now is None else pd.Timestamp(now)
-    now = now.tz_localize("UTC") if now.tzinfo is None else now
+    end = _utc(end)
+    now = _utc(pd.Timestamp.now(tz="UTC") if now is None else now)
     created = int(now.timestamp())          # Feast's SQLite store keeps times as epoch seconds
     if cfg.kind == "redis":
         client = redis_client(cfg, timeout_s=60)
@@ -171,7 +171,8 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
     # (a backfill): only then must each key be compared with what is stored.
     later = [e for e in materialized_intervals(cfg) if e > end]
     check_newer = bool(later) or always_check
-    out = {"interval_end": end.isoformat(), "checked_newer": check_newer, "store": cfg.describe(),
+    out = {"interval_end": end.isoformat(), "interval_start": _utc(start).isoformat() if start is not None else None,
+           "checked_newer": check_newer, "store": cfg.describe(),
            "expire_from": expire_from, "views": {}}
     t_all = time.perf_counter()
     try:

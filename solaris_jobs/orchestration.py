@@ -7,6 +7,8 @@ imports and a worker configured once runs every task:
     SOLARIS_DATA        data root (event log)               SOLARIS_OFFLINE   offline store root
     SOLARIS_MODELS      folder with fm.pt, ae.pt, vm.pt     SOLARIS_FEATURE_REPO / FEAST_FS_YAML_FILE_PATH
     SOLARIS_EXPIRE_FROM event (default) or write            SOLARIS_SPARK_MASTER  (default local[*])
+    SOLARIS_MAX_BAD_SHARE  share of an interval's events that may break the contract before validate fails
+                        (default 0.05)
     SOLARIS_PRECOMPUTE  JSON overrides of PrecomputeConfig, e.g. {"active_hours": 168, "lookback_days": null,
                         "simulator": {"n_candidates": 100}}
 """
@@ -51,6 +53,7 @@ class RefreshSettings:
     expire_from: str = "event"
     master: str | None = None
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+    max_bad_share: float = 0.05
 
     @classmethod
     def from_env(cls, env=None, **overrides) -> "RefreshSettings":
@@ -66,7 +69,7 @@ class RefreshSettings:
         s = cls(data=env.get("SOLARIS_DATA", ""), offline=env.get("SOLARIS_OFFLINE", ""),
                 models=env.get("SOLARIS_MODELS", ""), feature_repo=env.get("SOLARIS_FEATURE_REPO"),
                 expire_from=env.get("SOLARIS_EXPIRE_FROM", "event"), master=env.get("SOLARIS_SPARK_MASTER"),
-                precompute=pc)
+                precompute=pc, max_bad_share=_share(env.get("SOLARIS_MAX_BAD_SHARE", "0.05")))
         return replace(s, **overrides)
 
     def job(self, start, end):
@@ -79,21 +82,46 @@ class RefreshSettings:
         return store_config.load(self.feature_repo)
 
 
+def _share(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v <= 1:
+        raise ValueError(f"SOLARIS_MAX_BAD_SHARE={raw!r}: need a share between 0 and 1")
+    return v
+
+
 def _utc(t) -> pd.Timestamp:
     from solaris_jobs.events import to_utc
     return to_utc(t)
 
 
 def validate(s: RefreshSettings, start, end) -> dict:
-    """The interval's events are readable and in the contract; counts (an empty hour is allowed, and said)."""
-    from solaris_jobs.events import read_events
+    """The interval's events are readable and in the contract; counts (an empty hour is allowed, and said).
+
+    Rows that read but break the contract (ids <= 0, labels other than 0/1) are counted per reason; selection
+    sets them aside into ``rejects``. More than ``max_bad_share`` of the interval's rows bad fails the task: an
+    upstream log that broke is stopped here, before hours of FM inference run on what is left of it.
+    """
+    from solaris_jobs.events import DataContractError, bad_event_counts, read_events
     start, end = _utc(start), _utc(end)
     t = read_events(s.data, start, end)
     n = t.num_rows
     users = len(set(t.column("user_id").to_pylist())) if n else 0
+    bad = bad_event_counts(t)
+    n_bad = sum(bad.values())
     if not n:
         logger.warning("no events in [%s, %s): the refresh still runs on the earlier log", start, end)
-    return {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": n, "users": users}
+    elif n_bad > s.max_bad_share * n:
+        raise DataContractError(
+            f"{s.data}/events [{start.isoformat()}, {end.isoformat()}): {n_bad} of {n} rows break the event "
+            f"contract ({', '.join(f'{k}: {v}' for k, v in bad.items() if v)}), more than "
+            f"SOLARIS_MAX_BAD_SHARE={s.max_bad_share}; fix the log (or raise the limit) and rerun the interval")
+    elif n_bad:
+        logger.warning("[%s, %s): %d of %d rows will be set aside: %s", start, end, n_bad, n, bad)
+    return {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": n, "users": users,
+            "bad_events": {k: v for k, v in bad.items() if v}}
 
 
 def drain_misses(s: RefreshSettings, start=None, end=None) -> dict:
@@ -117,7 +145,7 @@ def spark_step(s: RefreshSettings, step: str, start, end, spark=None) -> dict:
 
 def materialize(s: RefreshSettings, start, end) -> dict:
     from solaris_jobs.materialize import materialize as write
-    return write(s.store(), s.offline, _utc(end), expire_from=s.expire_from)
+    return write(s.store(), s.offline, _utc(end), expire_from=s.expire_from, start=_utc(start))
 
 
 def report(s: RefreshSettings, start, end) -> dict:

@@ -76,10 +76,12 @@ def split_bad_events(events):
     """Splits events into (good, bad); bad rows get a ``reason`` (null or non-positive id, null time, label
     other than 0/1/null). Logs written by SOLARIS never have them; logs written by other pipelines may."""
     from pyspark.sql import functions as F
-    reason = (F.when(F.col("user_id").isNull() | (F.col("user_id") <= 0), F.lit("user_id is null or <= 0"))
-              .when(F.col("item_id").isNull() | (F.col("item_id") <= 0), F.lit("item_id is null or <= 0"))
-              .when(F.col("event_timestamp").isNull(), F.lit("event_timestamp is null"))
-              .when(F.col("label").isNotNull() & ~F.col("label").isin(0, 1), F.lit("label is not 0, 1 or null")))
+
+    from solaris_jobs.events import BAD_EVENT_REASONS as R
+    reason = (F.when(F.col("user_id").isNull() | (F.col("user_id") <= 0), F.lit(R[0]))
+              .when(F.col("item_id").isNull() | (F.col("item_id") <= 0), F.lit(R[1]))
+              .when(F.col("event_timestamp").isNull(), F.lit(R[2]))
+              .when(F.col("label").isNotNull() & ~F.col("label").isin(0, 1), F.lit(R[3])))
     marked = events.withColumn("reason", reason)
     return marked.where(F.col("reason").isNull()).drop("reason"), marked.where(F.col("reason").isNotNull())
 

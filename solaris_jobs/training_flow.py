@@ -99,8 +99,22 @@ def reembed_latest() -> dict:
     if not done:
         return {"skipped": "no interval was materialized yet"}
     end = max(done)
-    start = end - pd.Timedelta(hours=1)            # the refresh DAG's hourly interval
-    out = {"interval_end": end.isoformat()}
+    start = latest_start(done)
+    out = {"interval_start": start.isoformat(), "interval_end": end.isoformat()}
     for step in ("embed", "aggregate", "neighbours", "materialize"):
         out[step] = o.run_step(s, step, start, end)
     return out
+
+
+def latest_start(done: dict) -> pd.Timestamp:
+    """The start of the latest materialized interval: as recorded by materialize; for records written before
+    starts were recorded, the end of the interval before it (contiguous refreshes)."""
+    end = max(done)
+    recorded = done[end].get("interval_start")
+    if recorded:
+        return pd.Timestamp(recorded)
+    earlier = [e for e in done if e < end]
+    if not earlier:
+        raise ValueError(f"the interval ending {end.isoformat()} has no recorded start and no interval before it; "
+                         "re-run its refresh (solaris backfill --force) to record one")
+    return max(earlier)

@@ -211,6 +211,7 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     atomically, the latest interval re-embedded and re-materialized with the new version only."""
     from solaris_jobs import orchestration as o
     from solaris_jobs import store_config
+    from solaris_jobs.materialize import materialized_intervals
     from solaris_jobs.serving import FeatureReader
     reg = tmp_path / "registry"
     (reg / "versions").mkdir(parents=True)
@@ -239,7 +240,17 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     user = int(pairs.user_id.iloc[0])
     items = pairs[pairs.user_id == user].item_id.to_numpy()
     cfg = store_config.load(ROOT / "feature_repo", yaml_path)
+    assert materialized_intervals(cfg)[ML_END]["interval_start"] == (ML_END - HOUR).isoformat()
     for version, tier in ((new[0], "pair"), (old[0], "none")):
         reader = FeatureReader(cfg, version, len(pairs.embedding.iloc[0]), misses=None)
         assert set(reader.read(user, items, ML_END + HOUR).tier_names()) == {tier}, version
         reader.close()
+
+
+def test_reembed_finds_the_latest_intervals_start():
+    from solaris_jobs.training_flow import latest_start
+    t = pd.Timestamp("2026-01-01T06:00", tz="UTC")
+    assert latest_start({t: {"interval_start": "2026-01-01T02:00:00+00:00"}, t - HOUR: {}}) == t - 4 * HOUR
+    assert latest_start({t: {}, t - 6 * HOUR: {}}) == t - 6 * HOUR        # recorded before starts were
+    with pytest.raises(ValueError, match="no recorded start"):
+        latest_start({t: {}})

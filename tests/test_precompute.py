@@ -3,6 +3,7 @@ import datetime as dt
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from models import load_checkpoint
@@ -82,6 +83,10 @@ def test_bad_event_rows_are_set_aside_with_a_reason(spark):
     reasons = dict(bad.toPandas()[["user_id", "reason"]].fillna(0).astype({"user_id": int}).to_numpy().tolist())
     assert reasons == {0: "user_id is null or <= 0", 3: "item_id is null or <= 0",
                        4: "label is not 0, 1 or null", -5: "user_id is null or <= 0"}
+    # The refresh's validate step counts the same rows per reason without Spark.
+    table = pa.Table.from_pandas(df.toPandas().astype({"label": "Int8"}), preserve_index=False)
+    assert ev.bad_event_counts(table) == {**dict.fromkeys(ev.BAD_EVENT_REASONS, 0),
+                                          **bad.toPandas()["reason"].value_counts().to_dict()}
 
 
 def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_root, ml_models):
