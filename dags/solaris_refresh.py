@@ -38,8 +38,10 @@ ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregate
 ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v1", group="solaris")
 
 DOCS = {
-    "validate": "Reads the interval's events (hour partitions of the event log) and counts them; fails on a "
-                "missing or malformed log. An empty hour is allowed (the refresh still runs on the earlier log).",
+    "validate": "Reads the interval's events (hour partitions of the event log), counts them and the rows that "
+                "break the contract (per reason; selection sets them aside). Fails on a missing or malformed log "
+                "or when more than `SOLARIS_MAX_BAD_SHARE` (0.05) of the rows are bad. An empty hour is allowed "
+                "(the refresh still runs on the earlier log).",
     "drain_misses": "Moves the Redis miss stream (pairs the ranker asked for without a fresh embedding) into "
                     "`<offline>/misses/`, where selection forces them in. Nothing to do with SQLite.",
     "select": "Active users and their simulated candidates, negative exclusion, VM verifier scores, top share "
@@ -81,7 +83,11 @@ with DAG(
     default_args={"retries": int(os.environ.get("SOLARIS_RETRIES", "2")),
                   "retry_delay": timedelta(minutes=float(os.environ.get("SOLARIS_RETRY_MINUTES", "5"))),
                   "retry_exponential_backoff": True,
-                  "execution_timeout": timedelta(hours=2)},
+                  "execution_timeout": timedelta(hours=2),
+                  # An interval builds on the one before (negative-exclusion history, trailing aggregates): a
+                  # backfill's runs (Airflow runs up to its own --max-active-runs at once, 10 by default) go
+                  # through each step one at a time, oldest first, pipelined across steps.
+                  "max_active_tis_per_dag": 1},
     dagrun_timeout=timedelta(hours=6),
     tags=["solaris", "features"],
     doc_md=__doc__,

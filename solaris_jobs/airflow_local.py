@@ -20,6 +20,10 @@ import urllib.request
 from pathlib import Path
 
 DAGS = Path(__file__).resolve().parent.parent / "dags"
+# sqlite3's connect arguments for the metadata DB (AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS names this): wait
+# up to 30 s for another process's write lock instead of the default 5 s, so that the CLI (`airflow backfill
+# create`) and the API server do not fail with "database is locked" while the scheduler writes.
+SQLITE_CONNECT_ARGS = {"timeout": 30}
 
 
 def free_port() -> int:
@@ -53,6 +57,7 @@ class LocalAirflow:
                 "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
                 "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
                 "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
                 "AIRFLOW__API__HOST": "127.0.0.1",
                 "AIRFLOW__API__PORT": str(self.port),
                 "AIRFLOW__API__BASE_URL": self.url,
@@ -83,8 +88,7 @@ class LocalAirflow:
     def start(self, timeout: float = 120) -> "LocalAirflow":
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({self.user: self.password}))
-        res = subprocess.run([str(Path(sys.executable).parent / "airflow"), "db", "migrate"], env=self.env(),
-                             capture_output=True, text=True, timeout=600)
+        res = self.cli("db", "migrate", timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
@@ -154,6 +158,15 @@ class LocalAirflow:
                 return state
             time.sleep(3)
         raise TimeoutError(f"run {run_id} of {dag_id} still {state} after {timeout:.0f}s")
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``airflow <args>`` against this installation (e.g. ``backfill create --dag-id ...``)."""
+        return subprocess.run([str(Path(sys.executable).parent / "airflow"), *args], env=self.env(),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def runs(self, dag_id: str, run_type: str | None = None) -> list[dict]:
+        q = f"?run_type={run_type}" if run_type else ""
+        return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns{q}")["dag_runs"]
 
     def task_states(self, dag_id: str, run_id: str) -> dict:
         tis = self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from solaris_jobs.orchestration import STEPS
 from solaris_jobs.store_config import DEFAULT_REPO
 
 
@@ -21,6 +22,8 @@ def _settings_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -
             "SOLARIS_PRECOMPUTE": json.dumps({"active_hours": 168, "lookback_days": None}),
             "SOLARIS_START_DATE": "1998-01-01T00:00:00+00:00", "SOLARIS_END_DATE": end.isoformat(),
             "SOLARIS_RETRIES": "0",
+            # The demo prints its own summary: task logs and Spark's warnings would bury it.
+            "SOLARIS_SPARK_LOG_LEVEL": "ERROR", "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
             "AIRFLOW_HOME": str(workdir / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             # dag.test() serializes the DAG into its bundle: the DAG file must be in the dags folder.
             "AIRFLOW__CORE__DAGS_FOLDER": str(DEFAULT_REPO.parent / "dags"),
@@ -55,13 +58,12 @@ def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, mast
     echo(f"\nrefresh DAG (dag.test) over {intervals} hourly interval(s); offline store {workdir / 'offline'}, "
          f"online store {DEFAULT_REPO / 'data' / 'online_store.db'}")
     echo(f"{'interval end':26s} {'events':>6s} {'pair':>6s} {'aggr.':>6s} {'nbr.':>6s} {'none':>6s}  "
-         f"seconds per task (select/embed/aggregate/neighbours/materialize), run")
+         f"seconds per task ({'/'.join(STEPS)}), run")
     for e, rep, secs, wall in rows:
         cov = rep["coverage"]
         c = "".join(f" {cov[t]:6.2f}" if cov[t] is not None else f" {'-':>6s}"
                     for t in ("pair", "user_aggregate", "neighbour", "none"))
-        steps = "/".join(f"{secs.get(t, 0):.0f}" for t in ("select", "embed", "aggregate", "neighbours",
-                                                            "materialize"))
+        steps = "/".join(f"{secs.get(t, 0):.1f}" for t in STEPS)
         echo(f"{e.isoformat():26s} {rep['events']:6d}{c}  {steps}, {wall:.0f}")
     echo("coverage = share of the interval's actual events whose pair (else user, else neighbour) had features "
          "from the previous interval")

@@ -67,6 +67,7 @@ def test_dag_integrity(airflow_env, monkeypatch):
         assert b in dag.get_task(a).downstream_task_ids, (a, b)
     for t in dag.tasks:
         assert t.retries >= 1 and t.doc_md and t.execution_timeout is not None, t.task_id
+        assert t.max_active_tis_per_dag == 1, t.task_id        # backfill runs go through each step in turn
     assert {o.name for t in dag.tasks for o in t.outlets} >= {
         "solaris_selection", "solaris_pair_embeddings", "solaris_user_aggregates", "solaris_neighbours",
         "solaris_online_store"}
@@ -184,9 +185,10 @@ def test_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path, 
     assert _dump_sqlite(tmp_path / "online.db") == before
 
 
-def test_refresh_triggered_through_the_rest_api_of_real_airflow(airflow_env, tmp_path):
-    """API server, scheduler, DAG processor and triggerer as real processes on free ports; the run is triggered
-    and watched through the REST API; every task runs in its own process (LocalExecutor), Spark included."""
+def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
+    """API server, scheduler, DAG processor and triggerer as real processes on free ports. One run is triggered
+    and watched through the REST API, the interval before it is backfilled with Airflow's own
+    `airflow backfill create`; every task runs in its own process (LocalExecutor), Spark included."""
     from solaris_jobs import store_config
     from solaris_jobs.airflow_local import LocalAirflow
     from solaris_jobs.materialize import materialized_intervals
@@ -194,15 +196,26 @@ def test_refresh_triggered_through_the_rest_api_of_real_airflow(airflow_env, tmp
     env = {"SOLARIS_OFFLINE": str(tmp_path / "offline"), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
            "SOLARIS_END_DATE": ML_END.isoformat(), "SOLARIS_SPARK_MASTER": "local[2]",
            "SOLARIS_SPARK_DRIVER_MEMORY": "1g", "SOLARIS_RETRIES": "0"}
+    earlier = ML_END - 2 * HOUR                       # logical date = start of the interval [earlier, ML_END - 1h)
     with LocalAirflow(tmp_path / "airflow", env=env, parallelism=2) as af:
         af.wait_for_dag("solaris_refresh")
         run_id = af.trigger("solaris_refresh", (ML_END - HOUR).isoformat(), ML_END.isoformat())
-        state = af.wait_for_run("solaris_refresh", run_id, timeout=900)
-        states = af.task_states("solaris_refresh", run_id)
-        assert state == "success", (states, sorted((tmp_path / "airflow" / "logs").rglob("*.log"))[-3:])
-    assert set(states.values()) == {"success"} and len(states) == 8
+        res = af.cli("backfill", "create", "--dag-id", "solaris_refresh", "--from-date", earlier.isoformat(),
+                     "--to-date", earlier.isoformat())
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        backfill_runs = af.runs("solaris_refresh", run_type="backfill")
+        assert [pd.Timestamp(r["data_interval_end"]) for r in backfill_runs] == [ML_END - HOUR]
+        states = {}
+        for rid in (run_id, backfill_runs[0]["dag_run_id"]):
+            state = af.wait_for_run("solaris_refresh", rid, timeout=1200)
+            states[rid] = af.task_states("solaris_refresh", rid)
+            assert state == "success", (states, sorted((tmp_path / "airflow" / "logs").rglob("*.log"))[-3:])
+    for tasks in states.values():
+        assert set(tasks.values()) == {"success"} and len(tasks) == 8
     cfg = store_config.load(ROOT / "feature_repo", yaml_path)
-    assert ML_END in materialized_intervals(cfg)
+    done = materialized_intervals(cfg)
+    assert {ML_END - HOUR, ML_END} <= set(done)
+    assert done[ML_END - HOUR]["interval_start"] == earlier.isoformat()
     assert _dump_sqlite(tmp_path / "online.db")["solaris_pair_embeddings"]
 
 
