@@ -86,7 +86,7 @@ with DAG(
                   "execution_timeout": timedelta(hours=2),
                   # An interval builds on the one before (negative-exclusion history, trailing aggregates): a
                   # backfill's runs (Airflow runs up to its own --max-active-runs at once, 10 by default) go
-                  # through each step one at a time, oldest first, pipelined across steps.
+                  # through each step one at a time (the oldest ready interval first), pipelined across steps.
                   "max_active_tis_per_dag": 1},
     dagrun_timeout=timedelta(hours=6),
     tags=["solaris", "features"],
