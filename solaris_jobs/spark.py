@@ -1,8 +1,9 @@
 """Spark session and I/O helpers shared by the jobs (``spark_jobs/``) and the tests.
 
 Sessions run in UTC with Arrow transfers on; local sessions get ``$SOLARIS_SPARK_DRIVER_MEMORY`` (default 4g) of
-driver heap, which in local mode is also the executors' heap, and log at ``$SOLARIS_SPARK_LOG_LEVEL`` (WARN). ``master`` defaults to ``$SOLARIS_SPARK_MASTER`` or
-``local[*]``; under ``spark-submit`` the master given there wins (``getOrCreate`` returns that session).
+driver heap, which in local mode is also the executors' heap, and log at ``$SOLARIS_SPARK_LOG_LEVEL`` (WARN).
+``master`` defaults to ``$SOLARIS_SPARK_MASTER`` or ``local[*]``; under ``spark-submit`` the master given there
+wins (``getOrCreate`` returns that session).
 """
 from __future__ import annotations
 
