@@ -22,7 +22,8 @@ HEAVY = ("torch", "pyspark", "feast", "pandas", "solaris_jobs", "faiss", "redis"
 
 
 def _precompute_json() -> str:
-    return json.dumps({"lookback_days": ML_CFG.lookback_days, "active_hours": ML_CFG.active_hours,
+    # Users active in the last 2 days (ML_CFG's 2 weeks selects ~6x the pairs): the DAG tests run 13 intervals.
+    return json.dumps({"lookback_days": ML_CFG.lookback_days, "active_hours": 48,
                        "history_len": ML_CFG.history_len, "batch_size": ML_CFG.batch_size,
                        "simulator": {"n_candidates": ML_CFG.simulator.n_candidates,
                                      "n_popular": ML_CFG.simulator.n_popular}})
@@ -120,42 +121,49 @@ def _dump_redis(port: int) -> dict:
     return {k: c.hgetall(k) for k in sorted(c.scan_iter(count=10_000)) if not k.startswith(b"solaris:")}
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis"])
-def test_refresh_dag_test_end_to_end(kind, airflow_env, spark, tmp_path, monkeypatch):
+def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END) -> None:
+    """dag.test() of solaris_refresh for the interval ending ``end``, and what it must leave behind."""
     from solaris_jobs import store_config
     from solaris_jobs.materialize import materialized_intervals
     from solaris_jobs.serving import FeatureReader
+    dag = _load_dag(DAGS / "solaris_refresh.py")
+    # A manual run's data interval is the one that ended at its logical date (run-after semantics).
+    run = dag.test(logical_date=end.to_pydatetime())
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert run.state == "success", states
+    assert pd.Timestamp(run.data_interval_start) == end - HOUR and pd.Timestamp(run.data_interval_end) == end
+    assert set(states.values()) == {"success"} and len(states) == 8
+    cfg = store_config.load(ROOT / "feature_repo", yaml_path)
+    assert end in materialized_intervals(cfg)
+    report = json.loads((offline / "reports" / f"end={end.strftime('%Y%m%dT%H%M%SZ')}" / "report.json")
+                        .read_text())
+    assert report["materialized"] and report["interval_end"] == end.isoformat()
+    pairs = pd.read_parquet(offline / "pair_embeddings")
+    user = int(pairs.user_id.iloc[0])
+    mine = pairs[pairs.user_id == user]
+    reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+    f = reader.read(user, mine.item_id.to_numpy(), end + HOUR)
+    assert set(f.tier_names()) == {"pair"}
+    reader.close()
+
+
+def test_refresh_dag_test_end_to_end_redis(airflow_env, spark, tmp_path, monkeypatch):
     offline = tmp_path / "offline"
     monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
-    server = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+    server = RedisServer(tmp_path / "redis").start()
     try:
-        yaml_path = _redis_yaml(tmp_path, server) if server else _sqlite_yaml(tmp_path)
+        yaml_path = _redis_yaml(tmp_path, server)
         monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
-        dag = _load_dag(DAGS / "solaris_refresh.py")
-        # A manual run's data interval is the one that ended at its logical date (run-after semantics).
-        run = dag.test(logical_date=ML_END.to_pydatetime())
-        states = {ti.task_id: ti.state for ti in run.get_task_instances()}
-        assert run.state == "success", states
-        assert pd.Timestamp(run.data_interval_start) == ML_END - HOUR and pd.Timestamp(run.data_interval_end) == ML_END
-        assert set(states.values()) == {"success"}
-        cfg = store_config.load(ROOT / "feature_repo", yaml_path)
-        assert ML_END in materialized_intervals(cfg)
-        report = json.loads((offline / "reports" / f"end={ML_END.strftime('%Y%m%dT%H%M%SZ')}" / "report.json")
-                            .read_text())
-        assert report["materialized"] and report["interval_end"] == ML_END.isoformat()
-        pairs = pd.read_parquet(offline / "pair_embeddings")
-        user = int(pairs.user_id.iloc[0])
-        mine = pairs[pairs.user_id == user]
-        reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
-        f = reader.read(user, mine.item_id.to_numpy(), ML_END + HOUR)
-        assert set(f.tier_names()) == {"pair"}
-        reader.close()
+        _run_dag_test(offline, yaml_path)
     finally:
-        if server:
-            server.stop()
+        server.stop()
 
 
-def test_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path, monkeypatch):
+def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path,
+                                                                                monkeypatch):
+    """dag.test() end to end into the SQLite online store for the first of 3 intervals; then `solaris backfill`
+    over the 3 skips the one dag.test() completed and runs the other two; again with --force: identical
+    online-store contents (an interval builds on the ones before it, so the order is the same both times)."""
     from click.testing import CliRunner
 
     from solaris_jobs import orchestration as o
@@ -164,10 +172,11 @@ def test_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path, 
     monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
     yaml_path = _sqlite_yaml(tmp_path)
     monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
-    s = o.RefreshSettings.from_env()
     start = ML_END - 3 * HOUR
+    _run_dag_test(offline, yaml_path, start + HOUR)
+    s = o.RefreshSettings.from_env()
     first = o.backfill(s, start, ML_END)
-    assert [r["status"] for r in first] == ["done"] * 3
+    assert [r["status"] for r in first] == ["skipped", "done", "done"]
     assert [r["interval_end"] for r in first] == [(start + k * HOUR).isoformat() for k in (1, 2, 3)]
     before = _dump_sqlite(tmp_path / "online.db")
     assert before and all(rows for rows in before.values())
