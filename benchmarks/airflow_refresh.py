@@ -30,15 +30,9 @@ sys.path.insert(0, str(ROOT))
 from solaris_jobs import orchestration as o  # noqa: E402
 from solaris_jobs.airflow_local import LocalAirflow  # noqa: E402
 from solaris_jobs.demo_refresh import _settings_env  # noqa: E402
+from tests.servers import feast_yaml  # noqa: E402
 
 HOUR = pd.Timedelta(hours=1)
-
-
-def _yaml(d: Path) -> Path:
-    p = d / "fs.yaml"
-    p.write_text(f"project: solaris\nprovider: local\nregistry: {d / 'registry.db'}\nonline_store:\n"
-                 f"  type: sqlite\n  path: {d / 'online.db'}\nentity_key_serialization_version: 3\n")
-    return p
 
 
 def main() -> None:
@@ -59,11 +53,12 @@ def main() -> None:
               "master": args.master, "cpus": os.cpu_count()}
 
     # 1. Airflow, each task in its own process.
-    (tmp / "af").mkdir()
+    for d in ("af", "inproc"):
+        (tmp / d).mkdir()
     env = {k: v for k, v in _settings_env(tmp / "af", models, args.master, end).items()
            if k.startswith("SOLARIS_")}
     env.update(SOLARIS_DATA=str(work / "data"), SOLARIS_OFFLINE=str(tmp / "af" / "offline"),
-               FEAST_FS_YAML_FILE_PATH=str(_yaml(tmp / "af")), SOLARIS_SPARK_DRIVER_MEMORY="1g")
+               FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(tmp / "af")), SOLARIS_SPARK_DRIVER_MEMORY="1g")
     t0 = time.perf_counter()
     with LocalAirflow(tmp / "af" / "home", env=env, parallelism=2) as af:
         started = time.perf_counter() - t0
@@ -85,9 +80,9 @@ def main() -> None:
                              "backfill_wall_s": round(time.perf_counter() - t1, 1), "runs": tasks}
 
     # 2. The same task functions in one process (solaris backfill).
-    s = o.RefreshSettings.from_env({**os.environ, **env, "SOLARIS_OFFLINE": str(tmp / "inproc" / "offline"),
-                                    "FEAST_FS_YAML_FILE_PATH": str(_yaml(_mkdir(tmp / "inproc")))})
-    os.environ["FEAST_FS_YAML_FILE_PATH"] = str(tmp / "inproc" / "fs.yaml")
+    os.environ.update(env, SOLARIS_OFFLINE=str(tmp / "inproc" / "offline"),
+                      FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(tmp / "inproc")))
+    s = o.RefreshSettings.from_env()
     t1 = time.perf_counter()
     out = o.backfill(s, start, end, force=True)
     result["in_process"] = {"backfill_wall_s": round(time.perf_counter() - t1, 1),
@@ -107,9 +102,8 @@ def main() -> None:
     print(f"saved {args.out}")
 
 
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
+def _sqlite_yaml(d: Path) -> Path:
+    return feast_yaml(d / "fs.yaml", f"  type: sqlite\n  path: {d / 'online.db'}")
 
 
 if __name__ == "__main__":

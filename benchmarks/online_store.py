@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from solaris_jobs.offline import interval_key  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from tests.servers import RedisServer, feast_yaml  # noqa: E402
 
 END = pd.Timestamp("2026-01-05T01:00:00Z")
 VERSION = "fm-bench00000000+ae-bench00000000"
@@ -116,10 +116,7 @@ def main() -> None:
     results = {"d": D, "users": args.users, "listpack": args.listpack, "materialize": [], "cpu_count": os.cpu_count()}
     with RedisServer(work / "redis", extra=extra) as server:
         client = redis.Redis(port=server.port)
-        yaml_path = work / "feature_store.yaml"
-        yaml_path.write_text(f"project: solaris\nprovider: local\nregistry: {work / 'registry.db'}\nonline_store:\n"
-                             f"  type: redis\n  connection_string: \"{server.url}\"\noffline_store:\n  type: file\n"
-                             f"entity_key_serialization_version: 3\n")
+        yaml_path = feast_yaml(work / "feature_store.yaml", f'  type: redis\n  connection_string: "{server.url}"')
         cfg = store_config.load(ROOT / "feature_repo", yaml_path)
         fs = None
         for n in args.rows:
@@ -161,10 +158,8 @@ def main() -> None:
     if args.cluster:
         from tests.servers import RedisClusterServer
         with RedisClusterServer(work / "cluster") as cluster:
-            ypath = work / "feature_store.cluster.yaml"
-            ypath.write_text(f"project: solaris\nprovider: local\nregistry: {work / 'registry_c.db'}\n"
-                             f"online_store:\n  type: redis\n  redis_type: redis_cluster\n"
-                             f"  connection_string: \"{cluster.url}\"\nentity_key_serialization_version: 3\n")
+            ypath = feast_yaml(work / "feature_store.cluster.yaml", f'  type: redis\n  redis_type: redis_cluster\n'
+                               f'  connection_string: "{cluster.url}"', registry=work / "registry_c.db")
             ccfg = store_config.load(ROOT / "feature_repo", ypath)
             st = materialize(ccfg, str(offline), END, ["pair_embeddings"], expire_from="write")
             results["cluster_3_nodes"] = st["views"]["pair_embeddings"]

@@ -217,8 +217,7 @@ def interval_complete(s: RefreshSettings, end) -> bool:
     """The interval's outputs are all complete offline and it was materialized into the configured store."""
     from solaris_jobs.materialize import interval_dir, materialized_intervals
     end = _utc(end)
-    offline = str(s.offline).removeprefix("file://")
-    done = all(Path(interval_dir(offline, d, end), "_SUCCESS").exists()
+    done = all(Path(interval_dir(s.offline, d, end), "_SUCCESS").exists()
                for d in ("selection", "pair_embeddings", "user_aggregates", "neighbours"))
     return done and end in materialized_intervals(s.store())
 

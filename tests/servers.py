@@ -10,11 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+from solaris_jobs.airflow_local import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def feast_yaml(path: Path, online: str, registry: Path | None = None) -> Path:
+    """Writes a feature_store.yaml for project solaris: ``online`` is the indented body of ``online_store:``."""
+    path.write_text(f"project: solaris\nprovider: local\nregistry: {registry or path.parent / 'registry.db'}\n"
+                    f"online_store:\n{online}\noffline_store:\n  type: file\nentity_key_serialization_version: 3\n")
+    return path
 
 
 def _wait_for(predicate, timeout: float, what: str, log: Path | None = None):

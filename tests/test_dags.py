@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import redis
 
 from tests.conftest import ML_CFG, ML_END
-from tests.servers import RedisServer
+from tests.servers import RedisServer, feast_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGS = ROOT / "dags"
@@ -92,17 +91,11 @@ def test_dag_integrity(airflow_env, monkeypatch):
 
 
 def _sqlite_yaml(tmp_path: Path) -> Path:
-    p = tmp_path / "fs.yaml"
-    p.write_text(f"project: solaris\nprovider: local\nregistry: {tmp_path / 'registry.db'}\nonline_store:\n"
-                 f"  type: sqlite\n  path: {tmp_path / 'online.db'}\nentity_key_serialization_version: 3\n")
-    return p
+    return feast_yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'online.db'}")
 
 
 def _redis_yaml(tmp_path: Path, server: RedisServer) -> Path:
-    p = tmp_path / "fs.yaml"
-    p.write_text(f"project: solaris\nprovider: local\nregistry: {tmp_path / 'registry.db'}\nonline_store:\n"
-                 f"  type: redis\n  connection_string: \"{server.url}\"\nentity_key_serialization_version: 3\n")
-    return p
+    return feast_yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: "{server.url}"')
 
 
 def _dump_sqlite(path: Path) -> dict:
@@ -114,11 +107,6 @@ def _dump_sqlite(path: Path) -> dict:
                                          "AND name != 'solaris_materialized'")}
     finally:
         conn.close()
-
-
-def _dump_redis(port: int) -> dict:
-    c = redis.Redis(port=port)
-    return {k: c.hgetall(k) for k in sorted(c.scan_iter(count=10_000)) if not k.startswith(b"solaris:")}
 
 
 def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END) -> None:

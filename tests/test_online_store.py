@@ -14,7 +14,7 @@ from solaris_jobs import store_config
 from solaris_jobs.materialize import materialize, materialized_intervals
 from solaris_jobs.serving import FeatureReader, drain_misses
 from tests.conftest import ML_END
-from tests.servers import RedisServer
+from tests.servers import RedisServer, feast_yaml
 
 REPO = Path(__file__).resolve().parent.parent / "feature_repo"
 HOUR = pd.Timedelta(hours=1)
@@ -54,7 +54,7 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
     pd.DataFrame({"user_id": pd.array([1, 1, 1, None, 1, 1, 1], "Int64"), "item_id": [10, 11, 12, 13, 14, 15, 16],
                   "embedding": [*good, good[0], None, np.ones(5, np.float32), np.array([1, np.nan, 0, 0], np.float32)],
                   "event_timestamp": end, "model_version": "v1"}).to_parquet(d / "part-0.parquet")
-    cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'o.db'}"))
+    cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'o.db'}"))
     with pytest.raises(FileNotFoundError, match="no complete pair_embeddings output"):
         materialize(cfg, str(tmp_path / "offline"), end, ["pair_embeddings"], expire_from="write")
     (d / "_SUCCESS").touch()
@@ -89,12 +89,6 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
     res = CliRunner().invoke(main, args[:-4] + ["--every", "30min", "--feature-repo", str(REPO)],
                              env={"FEAST_FS_YAML_FILE_PATH": str(cfg.yaml_path)})
     assert res.exit_code == 1 and "no complete pair_embeddings output" in res.output    # the first half-hour
-
-
-def _yaml(path: Path, online: str) -> Path:
-    path.write_text(f"project: solaris\nprovider: local\nregistry: {path.parent / 'registry.db'}\n"
-                    f"online_store:\n{online}\noffline_store:\n  type: file\nentity_key_serialization_version: 3\n")
-    return path
 
 
 def _feast(yaml_path: Path, offline: str, monkeypatch):
@@ -132,7 +126,7 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     off = _offline(job)
     offline = str(tmp_path / "offline")
     shutil.copytree(job.offline, offline)          # this test adds an interval: keep the shared outputs as they are
-    cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: '
+    cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: '
                                                              f'"{redis_server.url}"'))
     client = redis.Redis(port=redis_server.port)
     client.flushall()
@@ -203,7 +197,7 @@ def _store(kind, job, tmp_path, redis_server):
         redis.Redis(port=redis_server.port).flushall()
     else:
         online = f"  type: sqlite\n  path: {tmp_path / 'online.db'}"
-    cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", online))
+    cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", online))
     materialize(cfg, job.offline, ML_END, expire_from="write")
     return cfg
 
@@ -334,7 +328,7 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
     off = _offline(job)
     pairs = off["pair_embeddings"]
     with RedisClusterServer(tmp_path / "cluster") as cluster:
-        cfg = store_config.load(REPO, _yaml(tmp_path / "fs.yaml", f"  type: redis\n  redis_type: redis_cluster\n"
+        cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", f"  type: redis\n  redis_type: redis_cluster\n"
                                                                  f'  connection_string: "{cluster.url}"'))
         st = materialize(cfg, job.offline, ML_END, expire_from="write")
         assert {k: v["written"] for k, v in st["views"].items()} == {k: len(v) for k, v in off.items()}
