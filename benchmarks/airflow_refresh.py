@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from solaris_jobs import orchestration as o  # noqa: E402
+from solaris_jobs.settings import Settings  # noqa: E402
 from solaris_jobs.airflow_local import LocalAirflow  # noqa: E402
 from solaris_jobs.demo_refresh import _settings_env  # noqa: E402
 from tests.servers import feast_yaml  # noqa: E402
@@ -57,8 +58,9 @@ def main() -> None:
         (tmp / d).mkdir()
     env = {k: v for k, v in _settings_env(tmp / "af", models, args.master, end).items()
            if k.startswith("SOLARIS_")}
-    env.update(SOLARIS_DATA=str(work / "data"), SOLARIS_OFFLINE=str(tmp / "af" / "offline"),
-               FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(tmp / "af")), SOLARIS_SPARK_DRIVER_MEMORY="1g")
+    env.update(Settings.from_env(env, data=str(work / "data"), offline=str(tmp / "af" / "offline"),
+                                 spark_driver_memory="1g").to_env(),
+               FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(tmp / "af")))
     t0 = time.perf_counter()
     with LocalAirflow(tmp / "af" / "home", env=env, parallelism=2) as af:
         started = time.perf_counter() - t0
@@ -80,9 +82,8 @@ def main() -> None:
                              "backfill_wall_s": round(time.perf_counter() - t1, 1), "runs": tasks}
 
     # 2. The same task functions in one process (solaris backfill).
-    os.environ.update(env, SOLARIS_OFFLINE=str(tmp / "inproc" / "offline"),
-                      FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(tmp / "inproc")))
-    s = o.RefreshSettings.from_env()
+    os.environ.update(env, FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(tmp / "inproc")))
+    s = Settings.from_env(offline=str(tmp / "inproc" / "offline"))
     t1 = time.perf_counter()
     out = o.backfill(s, start, end, force=True)
     result["in_process"] = {"backfill_wall_s": round(time.perf_counter() - t1, 1),

@@ -27,13 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from solaris_jobs.offline import interval_key  # noqa: E402
+from solaris_jobs import offline as layout  # noqa: E402
 from tests.servers import RedisServer, feast_yaml  # noqa: E402
 
 END = pd.Timestamp("2026-01-05T01:00:00Z")
@@ -42,11 +40,7 @@ D = 32
 
 
 def write_interval(offline: Path, dataset: str, df: pd.DataFrame) -> None:
-    d = offline / dataset / interval_key(END)
-    d.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), d / "part-0.parquet", coerce_timestamps="us",
-                   allow_truncated_timestamps=True)
-    (d / "_SUCCESS").touch()
+    layout.write_interval(df, offline, dataset, END)
 
 
 def make_offline(offline: Path, n_pairs: int, n_users: int, seed: int = 0) -> pd.DataFrame:

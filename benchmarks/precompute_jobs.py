@@ -95,27 +95,24 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--intervals", type=int, default=1, help="Consecutive hourly intervals ending at --end.")
     args = ap.parse_args()
+    from solaris_jobs import jobs
     from solaris_jobs import offline as off
-    from solaris_jobs.candidates import SimulatorConfig
-    from solaris_jobs.precompute import PrecomputeConfig
-    from solaris_jobs.spark import spark_session
-    from spark_jobs import refresh
-    from spark_jobs.common import JobArgs
-    cfg = PrecomputeConfig(active_hours=args.active_hours, lookback_days=args.lookback_days or None,
-                           history_len=args.history_len, batch_size=args.batch_size,
-                           simulator=SimulatorConfig(n_candidates=args.candidates, n_popular=args.candidates // 2))
+    from solaris_jobs.settings import Settings, apply_flags
     offline = tempfile.mkdtemp(prefix="solaris_bench_offline_")
+    s = apply_flags(Settings(data=args.data, offline=offline, models=args.models, spark_master=args.master), {
+        "precompute.active_hours": args.active_hours, "precompute.lookback_days": args.lookback_days,
+        "precompute.history_len": args.history_len, "precompute.batch_size": args.batch_size,
+        "precompute.simulator.n_candidates": args.candidates})
     end = pd.Timestamp(args.end)
     results = []
     with PeakRSS() as mem:
-        spark = spark_session("solaris-bench", args.master)
+        spark = jobs.session(s, "bench")
         for k in reversed(range(args.intervals)):
             e = end - pd.Timedelta(hours=k)
-            job = JobArgs(args.data, offline, args.models, (e - pd.Timedelta(hours=1)).isoformat(), e.isoformat())
             row = {"interval_end": e.isoformat()}
-            for step in refresh.STEPS:
+            for step in jobs.SPARK_STEPS:
                 with PeakRSS() as step_mem:
-                    row[step] = refresh.STEPS[step](spark, job, cfg)
+                    row[step] = jobs.run(spark, s, e - pd.Timedelta(hours=1), e, (step,))[step]
                 row[step]["peak_rss_mb"] = round(step_mem.peak / 2**20)
             results.append(row)
             sel, emb = row["select"], row["embed"]
@@ -123,7 +120,7 @@ def main() -> None:
                   f"{sel['pairs_excluded']}, selected {sel['pairs_selected']}; seconds select {sel['seconds']}, "
                   f"embed {emb['seconds']} ({emb['pairs_per_s']} pairs/s), aggregate {row['aggregate']['seconds']}, "
                   f"neighbours {row['neighbours']['seconds']}; peak RSS per step (MB) "
-                  f"{[row[s]['peak_rss_mb'] for s in refresh.STEPS]}", flush=True)
+                  f"{[row[st]['peak_rss_mb'] for st in jobs.SPARK_STEPS]}", flush=True)
         selected = off.read_interval(spark, offline, "selection", end).where("selected") \
             .select("user_id", "item_id").toPandas()
         spark.stop()

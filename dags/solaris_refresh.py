@@ -7,8 +7,9 @@ run the FM on them, recompute user aggregates and neighbours, materialize all th
 report coverage and freshness. Each output is an Airflow Asset (`solaris_pair_embeddings`, ...), so other DAGs
 can be scheduled on it.
 
-Configured by the environment of the workers (see `solaris_jobs/orchestration.py`): `SOLARIS_DATA`,
-`SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_FEATURE_REPO` / `FEAST_FS_YAML_FILE_PATH`, `SOLARIS_PRECOMPUTE`.
+Configured by the environment of the workers: one settings object, built by `solaris_jobs.settings.Settings.from_env()`
+when a task runs (`SOLARIS_DATA`, `SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`, ...; the README's
+table lists them all) and passed whole to the Spark steps, in-process or as `--settings` JSON through spark-submit.
 DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,
 `SOLARIS_SPARK_CONN_ID` (Spark steps through `SparkSubmitOperator` instead of in-process),
 `SOLARIS_FM_QUEUE` / `SOLARIS_FM_POOL` (send FM inference to GPU workers).
@@ -22,16 +23,12 @@ from pathlib import Path
 from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, get_current_context, task
 
 ROOT = Path(__file__).resolve().parent.parent
-OFFLINE = os.environ.get("SOLARIS_OFFLINE", str(ROOT / "artifacts" / "offline"))
 SPARK_CONN = os.environ.get("SOLARIS_SPARK_CONN_ID")
 
 
 def _asset(name: str) -> Asset:
-    # A stable URI (Airflow keeps name <-> URI pairs unique): moving the offline store must not orphan the asset;
-    # where the data is goes in `extra`.
-    where = OFFLINE if "://" in OFFLINE else os.path.abspath(OFFLINE)
-    return Asset(name=f"solaris_{name}", uri=f"solaris://offline/{name}", group="solaris",
-                 extra={"path": f"{where.rstrip('/')}/{name}"})
+    # A stable URI (Airflow keeps name <-> URI pairs unique): moving the offline store must not orphan the asset.
+    return Asset(name=f"solaris_{name}", uri=f"solaris://offline/{name}", group="solaris")
 
 
 ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "neighbours", "reports")}
@@ -47,7 +44,7 @@ DOCS = {
     "select": "Active users and their simulated candidates, negative exclusion, VM verifier scores, top share "
               "selected. Output: offline `selection`.",
     "embed": "Batched FM + autoencoder inference on the selected pairs (GPU pool/queue when configured). "
-             "Output: offline `pair_embeddings`.",
+             "Output: offline `pair_embeddings` (non-finite outputs set aside in `embedding_rejects`, counted).",
     "aggregate": "Mean pair embedding per user over the trailing 24 h. Output: offline `user_aggregates`.",
     "neighbours": "FM user embeddings, FAISS top-k, neighbour embeddings. Outputs: `user_embeddings`, "
                   "`neighbours`.",
@@ -58,16 +55,25 @@ DOCS = {
 }
 
 
+def _settings():
+    from solaris_jobs.settings import Settings
+    return Settings.from_env()
+
+
 def _run(step: str) -> dict:
     from solaris_jobs import orchestration as o
     ctx = get_current_context()
-    return o.run_step(o.RefreshSettings.from_env(), step, ctx["data_interval_start"], ctx["data_interval_end"])
+    return o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"])
+
+
+def _settings_json() -> str:
+    """The worker's settings, whole, for spark-submit (rendered when the task runs, not when the DAG is parsed)."""
+    return _settings().for_spark_submit().to_json()
 
 
 def _spark_submit(step: str, script: str, **kwargs):
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-    args = ["--data", os.environ.get("SOLARIS_DATA", ""), "--offline", OFFLINE,
-            "--models", os.environ.get("SOLARIS_MODELS", ""),
+    args = ["--settings", "{{ solaris_settings() }}",
             "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}"]
     return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
                                application_args=args, doc_md=DOCS[step], **kwargs)
@@ -89,6 +95,7 @@ with DAG(
                   # through each step one at a time (the oldest ready interval first), pipelined across steps.
                   "max_active_tis_per_dag": 1},
     dagrun_timeout=timedelta(hours=6),
+    user_defined_macros={"solaris_settings": _settings_json},
     tags=["solaris", "features"],
     doc_md=__doc__,
 ) as dag:

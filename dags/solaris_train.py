@@ -8,10 +8,11 @@ so that the online store holds embeddings of the new version. Old-version embedd
 ones: user aggregates only average pairs of one version, and the serving client only serves the version the
 ranker's VM was trained with (until the ranker loads the new VM it gets tier none for re-embedded keys).
 
-Environment: `SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY` (holds `versions/<stamp>/` and the `current` link; point
-`SOLARIS_MODELS` at `<registry>/current` for the refresh DAG), `SOLARIS_TRAIN` (JSON: epochs, history_len,
-d_model, layers, d_interaction, d_code, max_train_rows, batch_size), `SOLARIS_TRAIN_CRON` (default weekly,
-`none` for on demand only), plus the refresh DAG's settings for the re-embedding.
+Environment (read by `solaris_jobs.settings` when a task runs): `SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY` (holds
+`versions/<stamp>/` and the `current` link; point `SOLARIS_MODELS` at `<registry>/current` for the refresh DAG),
+`SOLARIS_TRAIN` (JSON: epochs, history_len, d_model, layers, d_interaction, d_code, max_train_rows, batch_size),
+plus the refresh DAG's settings for the re-embedding. DAG-level: `SOLARIS_TRAIN_CRON` (default weekly, `none` for
+on demand only).
 """
 from __future__ import annotations
 

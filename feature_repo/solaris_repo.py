@@ -3,17 +3,16 @@
 FeatureService ``solaris_v1``.
 
 Names, fields and TTLs come from ``solaris_jobs.feature_views`` (shared with the materializer and the serving
-client). Sources read ``$SOLARIS_OFFLINE/<view>/end=*/`` (default: the demo's offline store).
+client). Sources read ``<offline>/<view>/`` (``solaris_jobs.settings.feast_offline_root()``: the configured
+offline store, else the demo's).
 """
-import os
-from pathlib import Path
-
 from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
 from feast.types import Array, Float32, Int32, Int64, String
 
 from solaris_jobs.feature_views import FEATURE_SERVICE, views
+from solaris_jobs.settings import feast_offline_root
 
-OFFLINE = os.environ.get("SOLARIS_OFFLINE", str(Path(__file__).resolve().parent.parent / "artifacts/demo/offline"))
+OFFLINE = feast_offline_root()
 DTYPES = {"float_list": Array(Float32), "string": String, "int32": Int32, "int64_list": Array(Int64)}
 
 user = Entity(name="user", join_keys=["user_id"], value_type=ValueType.INT64, description="A user id.")

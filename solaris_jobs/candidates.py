@@ -16,23 +16,16 @@ Ties break by item id, so the output is deterministic.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from solaris_jobs.settings import SimulatorConfig
+
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class SimulatorConfig:
-    n_candidates: int = 200
-    n_popular: int = 100
-    popularity_hours: float = 168.0
-    history_items: int = 10
-    covisit_window: int = 3
-    covisit_top: int = 50
+__all__ = ["RequestSimulator", "SimulatorConfig"]
 
 
 class RequestSimulator:

@@ -14,6 +14,13 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _env_log_level() -> str:
+    import os
+
+    from solaris_jobs.settings import env_var
+    return os.environ.get(env_var("log_level")) or "INFO"
+
+
 def _echo_json(obj) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
@@ -30,8 +37,8 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-                                                                case_sensitive=False))
+@click.option("--log-level", default=lambda: _env_log_level(), show_default="INFO",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def main(log_level: str) -> None:
     """SOLARIS: precompute foundation-model embeddings for a fast ranker, ahead of the requests.
 
@@ -52,7 +59,7 @@ def data() -> None:
               help="A GroupLens ml-100k folder (u.data, u.user, u.item) or a recbole wheel; default: the "
                    "recbole==1.2.1 wheel from PyPI, downloaded once into the cache.")
 @click.option("--cache", type=click.Path(file_okay=False), default=None,
-              help="Download cache (default $SOLARIS_CACHE or ~/.cache/solaris).")
+              help="Download cache (default: the environment's, see the README, or ~/.cache/solaris).")
 def data_movielens(out, source, cache) -> None:
     """MovieLens-100K as events (label = rating >= 4), users and items; bad rows set aside with a reason."""
     from solaris_jobs.data import movielens
@@ -87,8 +94,7 @@ def data_candidates(root, cutoff, users, n_candidates) -> None:
     """Show the request simulator's candidate sets for users at time T (CSV on stdout)."""
     from solaris_jobs import events as ev
     from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
-    sim = RequestSimulator(ev.read_events(root, end=cutoff), cutoff,
-                           SimulatorConfig(n_candidates=n_candidates, n_popular=n_candidates // 2))
+    sim = RequestSimulator(ev.read_events(root, end=cutoff), cutoff, SimulatorConfig().with_candidates(n_candidates))
     click.echo(sim.candidates(list(users)).to_csv(index=False), nl=False)
 
 
@@ -193,40 +199,59 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master) -> None:
                          echo=click.echo)
 
 
+def _settings_options(f):
+    """The Settings flags (``settings.FLAGS``) plus ``--settings``: every command that runs refresh steps takes the
+    same ones, with the same meaning, in the CLI and in ``spark_jobs/*.py`` under spark-submit."""
+    from solaris_jobs import settings as st
+    types = {"int": int, "float": float, "str": str}
+    for flag in reversed(st.FLAGS):
+        default = st.default_of(flag.field)
+        shown = f"; default {default}" if default not in (None, "") else ""
+        var = f" or ${st.env_var(flag.field)}" if flag.field in st.ENV.values() else ""
+        kind = click.Choice(flag.choices) if flag.type == "choice" else types[flag.type]
+        f = click.option(flag.flag, "_flag_" + flag.field.replace(".", "__"), default=None, type=kind,
+                         help=f"{flag.help} [from --settings{var}{shown}]")(f)
+    return click.option("--settings", "settings_json", default=None, metavar="JSON|@FILE",
+                        help="The whole Settings as JSON (what the DAG passes to spark-submit), or @file; the "
+                             "flags above override it. Without it, the SOLARIS_* environment.")(f)
+
+
+def _settings(kw: dict):
+    """Settings from --settings (else the environment), then the flags; pops the flag arguments from ``kw``."""
+    from solaris_jobs.settings import Settings, apply_flags
+    raw = kw.pop("settings_json")
+    flags = {k[len("_flag_"):].replace("__", "."): kw.pop(k) for k in list(kw) if k.startswith("_flag_")}
+    if raw:
+        text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+        s = Settings.from_json(text)
+    else:
+        s = Settings.from_env(require=False)
+    return apply_flags(s, flags).require()
+
+
+def _write_stats(path, out) -> None:
+    if path:
+        Path(path).write_text(json.dumps(out, indent=2, sort_keys=True, default=str) + "\n")
+
+
 def _job_command(name: str, steps: tuple, help_text: str):
-    """A click command whose options are the Spark entry points' (spark_jobs.common.parser), so they match."""
-    from spark_jobs.common import parser
-
-    def callback(**kw):
-        import argparse
-
-        from solaris_jobs.events import split_intervals
-        from solaris_jobs.spark import spark_session
-        from spark_jobs import refresh
-        from spark_jobs.common import config
-        every = kw.pop("every", None)
-        ns = argparse.Namespace(**kw)
-        job, cfg = config(ns)
-        spark = spark_session(f"solaris-{name}", ns.master)
-        results = []
-        for s, e in split_intervals(job.start, job.end, every):
-            one = type(job)(job.data, job.offline, job.models, s.isoformat(), e.isoformat())
-            results.append(refresh.run(spark, one, cfg, steps))
-        out = results[0] if len(results) == 1 else results
-        if ns.stats_out:
-            Path(ns.stats_out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    @click.command(name, help=help_text)
+    @click.option("--start", required=True, help="Interval start (UTC, inclusive).")
+    @click.option("--end", required=True, help="Interval end (UTC, exclusive); the cutoff T.")
+    @click.option("--every", default=None, help="Split [start, end) into intervals of this length (e.g. 1h) and run "
+                                                "them in order.")
+    @click.option("--stats-out", default=None, help="Also write the stats (JSON) to this local file.")
+    @_settings_options
+    def command(start, end, every, stats_out, **kw):
+        from solaris_jobs import jobs
+        from solaris_jobs.orchestration import run_intervals
+        s = _settings(kw)
+        spark = jobs.session(s, name)
+        out = run_intervals(start, end, every, lambda a, b: jobs.run(spark, s, a, b, steps), desc=name)
+        out = out[0] if len(out) == 1 else out
+        _write_stats(stats_out, out)
         _echo_json(out)
-
-    params = []
-    for a in parser(help_text)._actions:
-        if not a.option_strings or a.dest == "help":
-            continue
-        kind = {float: float, int: int}.get(a.type, str)
-        params.append(click.Option(a.option_strings, required=a.required, default=a.default, type=kind,
-                                   help=a.help, show_default=a.default is not None))
-    params.append(click.Option(["--every"], default=None, help="Split [start, end) into intervals of this "
-                               "length (e.g. 1h) and run them in order."))
-    return click.Command(name, callback=callback, params=params, help=help_text)
+    return command
 
 
 for _name, _steps, _help in [
@@ -242,30 +267,35 @@ for _name, _steps, _help in [
 
 
 _repo_option = click.option("--feature-repo", default=None, type=click.Path(file_okay=False),
-                            help="Feast repo (default $SOLARIS_FEATURE_REPO or ./feature_repo); the online store "
+                            help="Feast repo (default: the environment's, or ./feature_repo); the online store "
                                  "is its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH.")
 
 
 @main.command("materialize")
-@click.option("--offline", required=True, help="Offline store root (the refresh jobs' outputs).")
+@click.option("--offline", default=None, help="Offline store root (the refresh jobs' outputs; default: the "
+                                              "environment's).")
 @click.option("--start", required=True, help="Interval start (UTC).")
 @click.option("--end", required=True, help="Interval end (UTC): the outputs keyed by this end are written.")
 @click.option("--every", default=None, help="Split [start, end) into intervals of this length and write each.")
 @click.option("--views", "view_names", default=None, help="Comma-separated views (default: all).")
-@click.option("--expire-from", type=click.Choice(["event", "write"]), default="event",
-              help="event: keys expire at event time + view TTL; write: at write time + TTL (replays, demo).")
+@click.option("--expire-from", type=click.Choice(["event", "write"]), default=None,
+              help="event: keys expire at event time + view TTL; write: at write time + TTL (replays, demo). "
+                   "Default: the environment's, or event.")
 @click.option("--always-check", is_flag=True, help="Compare every key's stored event time (other writers exist).")
 @_repo_option
 def materialize_cmd(offline, start, end, every, view_names, expire_from, always_check, feature_repo) -> None:
     """Write intervals' pair embeddings, user aggregates and neighbours into the online store (Feast's layout,
     per-view expiry). Exits non-zero if any write fails; only complete intervals are recorded as materialized."""
-    from solaris_jobs import store_config
-    from solaris_jobs.events import split_intervals
-    from solaris_jobs.materialize import materialize
-    cfg = store_config.load(feature_repo)
+    from solaris_jobs import orchestration as o
+    from solaris_jobs.settings import Settings, apply_flags
+    s = apply_flags(Settings.from_env(require=False), {"offline": offline, "expire_from": expire_from,
+                                                       "feature_repo": feature_repo})
+    if not s.offline:
+        raise click.UsageError("give --offline (or set the environment's offline store)")
     names = view_names.split(",") if view_names else None
-    out = [materialize(cfg, offline, e, names, expire_from=expire_from, always_check=always_check)
-           for _, e in split_intervals(start, end, every)]
+    out = o.run_intervals(start, end, every, lambda a, b: o.materialize(s, a, b, views=names,
+                                                                        always_check=always_check),
+                          desc="materialize")
     _echo_json(out[0] if len(out) == 1 else out)
 
 
@@ -294,8 +324,7 @@ def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_featu
     else:
         from solaris_jobs import events as ev
         from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
-        sim = RequestSimulator(ev.read_events(root, end=at), at,
-                               SimulatorConfig(n_candidates=candidates, n_popular=candidates // 2))
+        sim = RequestSimulator(ev.read_events(root, end=at), at, SimulatorConfig().with_candidates(candidates))
         ids = sim.candidates([user_id])["item_id"].to_numpy(np.int64)
     from models import load_checkpoint
     from solaris_jobs.ranker import embedding_version
@@ -318,22 +347,14 @@ def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_featu
 @click.option("--start", required=True, help="First interval start (UTC).")
 @click.option("--end", required=True, help="Last interval end (UTC).")
 @click.option("--every", default="1h", help="Interval length.")
-@click.option("--data", default=None, help="Data root (default $SOLARIS_DATA).")
-@click.option("--offline", default=None, help="Offline store root (default $SOLARIS_OFFLINE).")
-@click.option("--models", default=None, help="Folder with fm.pt, ae.pt, vm.pt (default $SOLARIS_MODELS).")
-@click.option("--expire-from", type=click.Choice(["event", "write"]), default=None,
-              help="Online-store expiry (default $SOLARIS_EXPIRE_FROM or event).")
 @click.option("--force", is_flag=True, help="Rerun intervals that are already complete.")
-@click.option("--master", default=None, help="Spark master (default $SOLARIS_SPARK_MASTER or local[*]).")
-@_repo_option
-def backfill_cmd(start, end, every, data, offline, models, expire_from, force, master, feature_repo) -> None:
+@_settings_options
+def backfill_cmd(start, end, every, force, **kw) -> None:
     """Run the refresh DAG's task functions interval by interval, without a scheduler: validate, drain misses,
     select, embed, aggregate, neighbours, materialize, report. Complete intervals (all offline outputs and
     materialized) are skipped; a failed one is rerun from the start on the next call."""
     from solaris_jobs import orchestration as o
-    overrides = {k: v for k, v in dict(data=data, offline=offline, models=models, expire_from=expire_from,
-                                       master=master, feature_repo=feature_repo).items() if v is not None}
-    s = o.RefreshSettings.from_env(**overrides)
+    s = _settings(kw)
     out = o.backfill(s, start, end, every, force=force, progress=sys.stderr.isatty())
     _echo_json([{k: v for k, v in r.items() if k != "steps"} | (
         {"report": r["steps"]["report"]} if "steps" in r else {}) for r in out])
@@ -378,6 +399,11 @@ def misses_drain(offline, feature_repo) -> None:
         raise click.ClickException("the miss stream lives in Redis; with SQLite the serving client writes "
                                    "parquet under <offline>/misses/ directly (FeatureReader(misses_dir=...))")
     _echo_json(drain_misses(cfg, offline))
+
+
+def spark_submit_main(command: str) -> None:
+    """What ``spark_jobs/<script>.py`` runs under spark-submit: ``solaris <command>`` with the script's arguments."""
+    main([command, *sys.argv[1:]], prog_name=sys.argv[0])
 
 
 if __name__ == "__main__":

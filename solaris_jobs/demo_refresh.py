@@ -4,26 +4,27 @@ coverage table and one read through the stock Feast SDK and one through the tier
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 from pathlib import Path
 
 import pandas as pd
 
+from solaris_jobs import offline as off
 from solaris_jobs.orchestration import STEPS
+from solaris_jobs.settings import PrecomputeConfig, Settings, dag_env
 from solaris_jobs.store_config import DEFAULT_REPO
 
 
 def _settings_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -> dict:
-    return {"SOLARIS_DATA": str(workdir / "data"), "SOLARIS_OFFLINE": str(workdir / "offline"),
-            "SOLARIS_MODELS": str(models), "SOLARIS_EXPIRE_FROM": "write", "SOLARIS_SPARK_MASTER": master,
-            # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
-            "SOLARIS_PRECOMPUTE": json.dumps({"active_hours": 168, "lookback_days": None}),
-            "SOLARIS_START_DATE": "1998-01-01T00:00:00+00:00", "SOLARIS_END_DATE": end.isoformat(),
-            "SOLARIS_RETRIES": "0",
-            # The demo prints its own summary: task logs and Spark's warnings would bury it.
-            "SOLARIS_SPARK_LOG_LEVEL": "ERROR", "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+    s = Settings(data=str(workdir / "data"), offline=str(workdir / "offline"), models=str(models),
+                 expire_from="write", spark_master=master,
+                 # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
+                 precompute=PrecomputeConfig(active_hours=168, lookback_days=None),
+                 # The demo prints its own summary: task logs and Spark's warnings would bury it.
+                 spark_log_level="ERROR")
+    return {**s.to_env(), **dag_env(start_date="1998-01-01T00:00:00+00:00", end_date=end, retries=0),
+            "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
             "AIRFLOW_HOME": str(workdir / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             # dag.test() serializes the DAG into its bundle: the DAG file must be in the dags folder.
             "AIRFLOW__CORE__DAGS_FOLDER": str(DEFAULT_REPO.parent / "dags"),
@@ -52,8 +53,7 @@ def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, mast
                                f"{ {t: ti.state for t, ti in tis.items()} }")
         secs = {t: round((ti.end_date - ti.start_date).total_seconds(), 1) for t, ti in tis.items()
                 if ti.start_date and ti.end_date}
-        rep = json.loads((workdir / "offline" / "reports" / f"end={e.strftime('%Y%m%dT%H%M%SZ')}" / "report.json")
-                         .read_text())
+        rep = off.read_report(workdir / "offline", e)
         rows.append((e, rep, secs, time.perf_counter() - t0))
     echo(f"\nrefresh DAG (dag.test) over {intervals} hourly interval(s); offline store {workdir / 'offline'}, "
          f"online store {DEFAULT_REPO / 'data' / 'online_store.db'}")
@@ -76,7 +76,7 @@ def _show_reads(workdir: Path, models: Path, end: pd.Timestamp, echo) -> None:
 
     from solaris_jobs import store_config
     from solaris_jobs.serving import FeatureReader
-    pairs = pd.read_parquet(workdir / "offline" / "pair_embeddings" / f"end={end.strftime('%Y%m%dT%H%M%SZ')}")
+    pairs = off.read_table(workdir / "offline", "pair_embeddings", end).to_pandas()
     user, item = int(pairs.user_id.iloc[0]), int(pairs.item_id.iloc[0])
     spec = importlib.util.spec_from_file_location("solaris_repo_demo", DEFAULT_REPO / "solaris_repo.py")
     repo = importlib.util.module_from_spec(spec)

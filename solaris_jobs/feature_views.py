@@ -1,13 +1,11 @@
 """The online feature views, as plain data: the one description that the Feast repo (``feature_repo/``), the
 fast materializer and the serving client all read, so that names, fields and TTLs cannot drift apart.
 
-TTLs come from the environment (``SOLARIS_TTL_PAIR_EMBEDDINGS=4h``, ``SOLARIS_TTL_USER_AGGREGATES=24h``,
-``SOLARIS_TTL_NEIGHBOURS=24h``; any pandas Timedelta string); ``feast apply``, materialization and serving must
-see the same values.
+TTLs come from the environment (``solaris_jobs.settings.view_ttl``: 4 h for pairs, 24 h for the user views by
+default; any pandas Timedelta string); ``feast apply``, materialization and serving must see the same values.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pandas as pd
@@ -34,13 +32,9 @@ class View:
         return [c for c, _ in self.features]
 
 
-_DEFAULT_TTL = {"pair_embeddings": "4h", "user_aggregates": "24h", "neighbours": "24h"}
-
-
 def ttl(name: str, env=None) -> pd.Timedelta:
-    env = os.environ if env is None else env
-    var = f"SOLARIS_TTL_{name.upper()}"
-    raw = env.get(var, _DEFAULT_TTL[name])
+    from solaris_jobs.settings import view_ttl
+    var, raw = view_ttl(name, env)
     try:
         value = pd.Timedelta(raw)
     except ValueError as e:

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from solaris_jobs import feast_format as ff
+from solaris_jobs import offline as off
 from solaris_jobs.events import to_utc as _utc
 from solaris_jobs.feature_views import EMBEDDING, MODEL_VERSION, View, views
 from solaris_jobs.online_write import ClusterWriter, Encoded, RedisWriter, SqliteWriter
@@ -26,23 +27,6 @@ from solaris_jobs.store_config import StoreConfig, redis_client
 logger = logging.getLogger(__name__)
 
 MARKER = "solaris:{project}:materialized"
-
-
-def interval_dir(offline: str, dataset: str, end) -> str:
-    from solaris_jobs.offline import interval_path
-    return interval_path(offline, dataset, end).removeprefix("file://")
-
-
-def read_batches(offline: str, dataset: str, end, batch_rows: int):
-    """Record batches of one complete interval output (local path or any URI pyarrow reads)."""
-    import pyarrow.dataset as ds
-    import pyarrow.fs as pafs
-    path = interval_dir(offline, dataset, end)
-    fs, p = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
-    if fs.get_file_info(f"{p}/_SUCCESS").type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"{path}: no complete {dataset} output for the interval ending {end} "
-                                f"(run the job that makes it first)")
-    return ds.dataset(p, filesystem=fs, format="parquet").to_batches(batch_size=batch_rows)
 
 
 def _embedding_matrix(col: pa.ChunkedArray | pa.Array, where: str) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -182,7 +166,7 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
             st = Counter()
             rejected: Counter = Counter()
             t0 = time.perf_counter()
-            for batch in read_batches(offline, view.name, end, batch_rows):
+            for batch in off.read_batches(offline, view.name, end, batch_rows):
                 table = pa.Table.from_batches([batch])
                 st["rows"] += table.num_rows
                 enc, meta, why = encode(view, table, suffix)

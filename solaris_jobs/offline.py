@@ -1,27 +1,50 @@
-"""The offline store: each job's output for an interval, keyed by the interval's end, overwritten on rerun.
+"""The offline store's layout, in one place: interval keys, paths, completeness, atomic publication, and the
+readers and writers every step uses (Spark jobs, the materializer, the report, the miss drain, the demo).
 
-Layout (any URI Spark's Hadoop file system reads: local path, ``file://``, ``s3a://``, ``hdfs://``)::
+Layout (``offline`` is any URI the jobs take: a path, ``file://``, ``s3a://`` (read as ``s3://`` outside
+Spark), ``gs://``, ``hdfs://``)::
 
-    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/part-*.parquet, _SUCCESS, _stats.json
+    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/_PUBLISHED               {"run": "<id>", ...}: the output readers see
+    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/run=<id>/part-*.parquet, _SUCCESS, _stats.json
+    <offline>/misses/*.parquet                                           serving misses (user_id, item_id, missed_at)
+    <offline>/reports/end=YYYYMMDDTHHMMSSZ/report.json
 
-Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection`` (scored candidate pairs
-and what was selected), ``pair_embeddings``, ``user_aggregates``, ``user_embeddings``, ``neighbours``;
-``misses/`` holds serving misses (parquet with ``user_id``, ``item_id``, ``missed_at``). A write goes to a
-staging folder first and is renamed into place, so a reader sees the old complete output or the new complete
-output, never half of one.
+A write goes to a fresh folder (``<dataset>/_staging/<end key>-<id>``, hidden from readers of the whole dataset,
+renamed to ``run=<id>`` on file systems that rename folders: local, HDFS; straight into ``run=<id>`` on object
+stores), then ``_PUBLISHED`` is replaced atomically to
+point at it, then the interval's other runs are deleted. So a reader that follows ``_PUBLISHED`` sees the old
+whole output or the new whole output, never a half one, and a write that dies before its publish leaves the old
+output in place (its unpublished folder is removed by the next write of that interval). Nothing here goes
+through Spark's JVM (``spark._jvm``): a Spark Connect session works, and so do the steps outside Spark (pyarrow's
+file systems). Outputs written by earlier versions (``end=.../part-*.parquet`` with ``_SUCCESS``, no
+``_PUBLISHED``) are still read.
+
+Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection``, ``pair_embeddings``,
+``embedding_rejects`` (pairs whose FM output was not finite, with a ``reason``), ``user_aggregates``,
+``user_embeddings``, ``neighbours``.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
+from dataclasses import dataclass
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.fs as pafs
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("rejects", "selection", "pair_embeddings", "user_aggregates", "user_embeddings", "neighbours")
+DATASETS = ("rejects", "selection", "pair_embeddings", "embedding_rejects", "user_aggregates", "user_embeddings",
+            "neighbours")
+POINTER = "_PUBLISHED"
+RUN = "run="
+STAGING = "_staging"
 
+
+# ------------------------------------------------------------------------------------------------ paths
 
 def interval_key(end) -> str:
     """``end=YYYYMMDDTHHMMSSZ`` for an interval end (naive times are UTC)."""
@@ -33,99 +56,244 @@ def parse_key(name: str) -> pd.Timestamp:
     return pd.Timestamp(pd.to_datetime(name.split("=", 1)[1], format="%Y%m%dT%H%M%SZ", utc=True))
 
 
-def interval_path(offline: str, dataset: str, end) -> str:
-    return f"{str(offline).rstrip('/')}/{dataset}/{interval_key(end)}"
+def join(base, *parts: str) -> str:
+    return "/".join([str(base).rstrip("/"), *parts])
 
 
-def _fs(spark, path: str):
-    jvm = spark._jvm
-    p = jvm.org.apache.hadoop.fs.Path(path)
-    return p.getFileSystem(spark._jsc.hadoopConfiguration()), p, jvm
+def dataset_uri(offline, dataset: str) -> str:
+    return join(offline, dataset)
 
 
-def write_interval(df, offline: str, dataset: str, end, stats: dict | None = None) -> str:
-    """Writes ``df`` as the ``dataset`` output of the interval ending at ``end``, replacing any earlier one.
-
-    Returns:
-        The output path.
-    """
-    spark = df.sparkSession
-    target = interval_path(offline, dataset, end)
-    staging = f"{str(offline).rstrip('/')}/{dataset}/_staging-{interval_key(end)[4:]}-{uuid.uuid4().hex[:8]}"
-    df.write.mode("overwrite").parquet(staging)
-    if stats is not None:
-        write_stats(spark, staging, stats)
-    fs, tpath, jvm = _fs(spark, target)
-    if fs.exists(tpath):
-        fs.delete(tpath, True)
-    if not fs.rename(jvm.org.apache.hadoop.fs.Path(staging), tpath):
-        raise IOError(f"could not move {staging} to {target}")
-    logger.info("wrote %s", target)
-    return target
+def interval_uri(offline, dataset: str, end) -> str:
+    """The interval's folder (holding ``_PUBLISHED`` and its runs)."""
+    return join(offline, dataset, interval_key(end))
 
 
-def write_text(spark, path: str, text: str) -> None:
-    fs, p, _ = _fs(spark, path)
-    out = fs.create(p, True)
-    try:
-        out.write(bytearray(text.encode()))
-    finally:
-        out.close()
+def misses_uri(offline) -> str:
+    return join(offline, "misses")
 
 
-def write_stats(spark, path: str, stats: dict) -> None:
-    """Writes a job's stats as ``<path>/_stats.json`` (Spark readers skip files starting with ``_``)."""
-    write_text(spark, f"{path}/_stats.json", json.dumps(stats, indent=2, sort_keys=True, default=str))
+def report_uri(offline, end) -> str:
+    return join(offline, "reports", interval_key(end), "report.json")
 
 
-def read_text(spark, path: str) -> str | None:
-    fs, p, jvm = _fs(spark, path)
-    if not fs.exists(p):
-        return None
-    stream = fs.open(p)
-    try:
-        reader = jvm.java.io.BufferedReader(jvm.java.io.InputStreamReader(stream, "UTF-8"))
-        lines = []
-        while (line := reader.readLine()) is not None:
-            lines.append(line)
-        return "\n".join(lines)
-    finally:
-        stream.close()
-
-
-def read_stats(spark, offline: str, dataset: str, end) -> dict | None:
-    text = read_text(spark, f"{interval_path(offline, dataset, end)}/_stats.json")
-    return json.loads(text) if text else None
-
-
-def list_intervals(spark, offline: str, dataset: str) -> list[pd.Timestamp]:
-    """Ends of the complete (``_SUCCESS``) intervals of ``dataset``, oldest first."""
-    fs, base, jvm = _fs(spark, f"{str(offline).rstrip('/')}/{dataset}")
-    if not fs.exists(base):
-        return []
-    ends = []
-    for st in fs.listStatus(base):
-        name = st.getPath().getName()
-        if st.isDirectory() and name.startswith("end=") and fs.exists(
-                jvm.org.apache.hadoop.fs.Path(st.getPath(), "_SUCCESS")):
-            ends.append(parse_key(name))
-    return sorted(ends)
-
-
-def read_interval(spark, offline: str, dataset: str, end):
-    """The ``dataset`` output of one interval.
+def filesystem(uri) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow file system and path for a URI (``s3a://``/``s3n://`` as ``s3://``; plain paths are local).
 
     Raises:
-        FileNotFoundError: that interval has no complete output (run the job that makes it first).
+        ValueError: a scheme pyarrow cannot open here (the message names it).
     """
-    path = interval_path(offline, dataset, end)
-    fs, p, jvm = _fs(spark, path)
-    if not fs.exists(jvm.org.apache.hadoop.fs.Path(p, "_SUCCESS")):
-        raise FileNotFoundError(f"{path}: no complete {dataset} output for the interval ending {end}")
-    return spark.read.parquet(path)
+    s = str(uri)
+    if "://" not in s:
+        return pafs.LocalFileSystem(), os.path.abspath(s)
+    scheme, rest = s.split("://", 1)
+    if scheme == "file":
+        return pafs.LocalFileSystem(), rest
+    if scheme in ("s3a", "s3n"):
+        s = f"s3://{rest}"
+    try:
+        return pafs.FileSystem.from_uri(s)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+        raise ValueError(f"{uri}: cannot open this file system outside Spark ({e})") from e
 
 
-def read_intervals(spark, offline: str, dataset: str, ends):
+def _exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def read_bytes(uri) -> bytes | None:
+    """A small file's bytes, None if it does not exist."""
+    fs, path = filesystem(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def write_bytes(uri, data: bytes) -> None:
+    """Writes a small file so that readers see the old bytes or the new ones (temporary name, then a rename:
+    atomic on local and HDFS file systems; an object store's put is atomic by itself)."""
+    fs, path = filesystem(uri)
+    parent, name = path.rsplit("/", 1)
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)
+
+
+def write_json(uri, obj) -> None:
+    write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def read_json(uri) -> dict | None:
+    raw = read_bytes(uri)
+    return json.loads(raw) if raw is not None else None
+
+
+# ------------------------------------------------------------------------------------------------ publication
+
+def published(offline, dataset: str, end) -> str | None:
+    """The folder of the interval's published output (None: the interval has no complete output)."""
+    folder = interval_uri(offline, dataset, end)
+    pointer = read_json(join(folder, POINTER))
+    if pointer is not None:
+        return join(folder, RUN + pointer["run"])
+    fs, path = filesystem(folder)
+    return folder if _exists(fs, f"{path}/_SUCCESS") else None         # written before _PUBLISHED existed
+
+
+def is_complete(offline, dataset: str, end) -> bool:
+    return published(offline, dataset, end) is not None
+
+
+def require(offline, dataset: str, end) -> str:
+    """The published output's folder.
+
+    Raises:
+        FileNotFoundError: the interval has no complete output (run the step that makes it first).
+    """
+    path = published(offline, dataset, end)
+    if path is None:
+        raise FileNotFoundError(f"{interval_uri(offline, dataset, end)}: no complete {dataset} output for the "
+                                f"interval ending {pd.Timestamp(end).isoformat()} (run the step that makes it first)")
+    return path
+
+
+def list_intervals(offline, dataset: str) -> list[pd.Timestamp]:
+    """Ends of the intervals of ``dataset`` with a complete output, oldest first."""
+    fs, base = filesystem(dataset_uri(offline, dataset))
+    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    ends = [parse_key(i.base_name) for i in infos
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("end=")]
+    return sorted(e for e in ends if is_complete(offline, dataset, e))
+
+
+def _renames_folders(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, (pafs.LocalFileSystem, pafs.HadoopFileSystem))
+
+
+@dataclass
+class Staged:
+    """An interval's new output, written but not yet published: read it (``path``), then ``publish`` it."""
+    offline: str
+    dataset: str
+    end: pd.Timestamp
+    run: str
+    path: str                   # where the data is now
+
+    def publish(self, stats: dict | None = None, published_at=None) -> str:
+        """Writes ``_stats.json`` beside the data, makes this run the interval's output, drops the others.
+
+        Returns:
+            The published folder.
+        """
+        if stats is not None:
+            write_json(join(self.path, "_stats.json"), stats)
+        folder = interval_uri(self.offline, self.dataset, self.end)
+        final = join(folder, RUN + self.run)
+        fs, _ = filesystem(folder)
+        if self.path != final:
+            fs.create_dir(filesystem(folder)[1], recursive=True)
+            fs.move(filesystem(self.path)[1], filesystem(final)[1])
+        _before_publish(final)
+        write_json(join(folder, POINTER), {"run": self.run, "published_at": pd.Timestamp(
+            published_at if published_at is not None else pd.Timestamp.now(tz="UTC")).isoformat()})
+        _drop_others(fs, filesystem(folder)[1], self.run)
+        _drop_stale_staging(fs, filesystem(join(dataset_uri(self.offline, self.dataset), STAGING))[1],
+                            interval_key(self.end))
+        logger.info("published %s", final)
+        return final
+
+
+def _before_publish(path: str) -> None:
+    """A seam for the fault-injection test (a process killed between its data and its publish)."""
+
+
+def _drop_stale_staging(fs: pafs.FileSystem, staging: str, key: str) -> None:
+    """Removes staging folders of the interval that writers killed before their publish left behind."""
+    for info in fs.get_file_info(pafs.FileSelector(staging, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(key + "-"):
+            try:
+                fs.delete_dir(info.path)
+            except (FileNotFoundError, OSError) as e:
+                logger.debug("could not remove %s: %s", info.path, e)
+
+
+def _drop_others(fs: pafs.FileSystem, folder: str, keep: str) -> None:
+    """Removes the interval's other runs and the files of the pre-``_PUBLISHED`` layout."""
+    for info in fs.get_file_info(pafs.FileSelector(folder)):
+        name = info.base_name
+        if name == POINTER or name == RUN + keep:
+            continue
+        try:
+            if info.type == pafs.FileType.Directory and name.startswith(RUN):
+                fs.delete_dir(info.path)
+            elif info.type == pafs.FileType.File and (name.startswith("part-") or name in ("_SUCCESS",
+                                                                                             "_stats.json")):
+                fs.delete_file(info.path)
+        except (FileNotFoundError, OSError) as e:       # another process removed it first: nothing to do
+            logger.debug("could not remove %s: %s", info.path, e)
+
+
+def _new_run(offline, dataset: str, end) -> Staged:
+    from solaris_jobs.events import to_utc
+    end = to_utc(end)
+    run = uuid.uuid4().hex[:12]
+    folder = interval_uri(offline, dataset, end)
+    fs, _ = filesystem(folder)
+    path = (join(dataset_uri(offline, dataset), STAGING, f"{interval_key(end)}-{run}") if _renames_folders(fs)
+            else join(folder, RUN + run))
+    return Staged(str(offline), dataset, end, run, path)
+
+
+def stage(df, offline, dataset: str, end) -> Staged:
+    """Writes a Spark DataFrame as a new, unpublished output of the interval ending at ``end``."""
+    staged = _new_run(offline, dataset, end)
+    df.write.mode("overwrite").parquet(staged.path)
+    return staged
+
+
+def stage_table(table: pa.Table, offline, dataset: str, end) -> Staged:
+    """``stage`` for an Arrow table or pandas frame made outside Spark (one parquet file, microsecond times)."""
+    import pyarrow.parquet as pq
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    staged = _new_run(offline, dataset, end)
+    fs, path = filesystem(staged.path)
+    fs.create_dir(path, recursive=True)
+    pq.write_table(table, f"{path}/part-00000.parquet", filesystem=fs, coerce_timestamps="us",
+                   allow_truncated_timestamps=True)
+    with fs.open_output_stream(f"{path}/_SUCCESS"):
+        pass
+    return staged
+
+
+def write_interval(df, offline, dataset: str, end, stats: dict | None = None) -> str:
+    """Writes and publishes ``df`` (a Spark DataFrame, an Arrow table or a pandas frame) as the interval's
+    ``dataset`` output; returns the published folder."""
+    spark_frame = hasattr(df, "sparkSession")
+    return (stage(df, offline, dataset, end) if spark_frame else stage_table(df, offline, dataset, end)).publish(stats)
+
+
+# ------------------------------------------------------------------------------------------------ readers
+
+def read_stats(offline, dataset: str, end) -> dict | None:
+    path = published(offline, dataset, end)
+    return read_json(join(path, "_stats.json")) if path else None
+
+
+def read_interval(spark, offline, dataset: str, end):
+    """The ``dataset`` output of one interval as a Spark DataFrame.
+
+    Raises:
+        FileNotFoundError: that interval has no complete output.
+    """
+    return spark.read.parquet(require(offline, dataset, end))
+
+
+def read_intervals(spark, offline, dataset: str, ends):
     """Union of several intervals' outputs (None if ``ends`` is empty)."""
     out = None
     for e in ends:
@@ -134,12 +302,28 @@ def read_intervals(spark, offline: str, dataset: str, ends):
     return out
 
 
-def read_misses(spark, offline: str, start, end):
+def _arrow_dataset(path: str):
+    import pyarrow.dataset as ds
+    fs, p = filesystem(path)
+    return ds.dataset(p, filesystem=fs, format="parquet", partitioning=None)
+
+
+def read_batches(offline, dataset: str, end, batch_rows: int):
+    """Record batches of one interval's published output (no Spark)."""
+    return _arrow_dataset(require(offline, dataset, end)).to_batches(batch_size=batch_rows)
+
+
+def read_table(offline, dataset: str, end, columns: list[str] | None = None) -> pa.Table:
+    """One interval's published output as an Arrow table (no Spark)."""
+    return _arrow_dataset(require(offline, dataset, end)).to_table(columns=columns)
+
+
+def read_misses(spark, offline, start, end):
     """Serving misses with ``start <= missed_at < end`` from ``<offline>/misses`` (None if there are none)."""
     from pyspark.sql import functions as F
-    path = f"{str(offline).rstrip('/')}/misses"
-    fs, p, _ = _fs(spark, path)
-    if not fs.exists(p):
+    path = misses_uri(offline)
+    fs, p = filesystem(path)
+    if not _exists(fs, p):
         return None
     df = spark.read.option("recursiveFileLookup", "true").parquet(path)
     missing = {"user_id", "item_id", "missed_at"} - set(df.columns)
@@ -148,3 +332,26 @@ def read_misses(spark, offline: str, start, end):
     s, e = pd.Timestamp(start).to_pydatetime(), pd.Timestamp(end).to_pydatetime()
     return df.where((F.col("missed_at") >= F.lit(s)) & (F.col("missed_at") < F.lit(e))) \
         .select(F.col("user_id").cast("long"), F.col("item_id").cast("long"))
+
+
+def write_parquet(folder, table: pa.Table, name: str) -> str:
+    """One parquet file ``<folder>/<name>`` (e.g. misses under ``misses_uri``), under a temporary name first."""
+    import pyarrow.parquet as pq
+    uri = join(folder, name)
+    fs, path = filesystem(uri)
+    parent = path.rsplit("/", 1)[0]
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{name}.tmp"
+    pq.write_table(table, tmp, filesystem=fs)
+    fs.move(tmp, path)
+    return uri
+
+
+def write_report(offline, end, report: dict) -> str:
+    uri = report_uri(offline, end)
+    write_json(uri, report)
+    return uri
+
+
+def read_report(offline, end) -> dict | None:
+    return read_json(report_uri(offline, end))

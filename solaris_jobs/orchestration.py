@@ -1,112 +1,49 @@
 """The refresh as task functions, one per step, for one interval ``[start, end)``: what the Airflow DAG's tasks
-call and what ``solaris backfill`` runs without a scheduler. Each returns a JSON-able stats dict (the task's XCom).
+call, what ``solaris backfill`` runs without a scheduler, and the one interval loop (``run_intervals``) behind
+``backfill`` and the CLI's job and materialize commands. Each step returns a JSON-able stats dict (the task's XCom).
 
-Settings come from the environment (``RefreshSettings.from_env``), so that the DAG file stays free of heavy
-imports and a worker configured once runs every task:
-
-    SOLARIS_DATA        data root (event log)               SOLARIS_OFFLINE   offline store root
-    SOLARIS_MODELS      folder with fm.pt, ae.pt, vm.pt     SOLARIS_FEATURE_REPO / FEAST_FS_YAML_FILE_PATH
-    SOLARIS_EXPIRE_FROM event (default) or write            SOLARIS_SPARK_MASTER  (default local[*])
-    SOLARIS_MAX_BAD_SHARE  share of an interval's events that may break the contract before validate fails
-                        (default 0.05)
-    SOLARIS_PRECOMPUTE  JSON overrides of PrecomputeConfig, e.g. {"active_hours": 168, "lookback_days": null,
-                        "simulator": {"n_candidates": 100}}
+Settings: one ``solaris_jobs.settings.Settings`` object (the Airflow tasks build it from the worker's
+environment with ``Settings.from_env()``). The Spark steps are ``solaris_jobs.jobs``; the others are here. Every
+step takes the doors a replay needs: ``events`` (an event source read once), ``clock`` (what "now" is for expiry,
+freshness and timestamps) and, for the Spark steps, ``models`` (resolved once) and ``spark`` (a session to reuse).
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 
-import pandas as pd
 
-from solaris_jobs.precompute import PrecomputeConfig
+from solaris_jobs import jobs
+from solaris_jobs import offline as off
+from solaris_jobs.event_source import event_source
+from solaris_jobs.jobs import SPARK_STEPS, interval, wall_clock
+from solaris_jobs.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-SPARK_STEPS = ("select", "embed", "aggregate", "neighbours")
 STEPS = ("validate", "drain_misses", *SPARK_STEPS, "materialize", "report")
+OUTPUTS = ("selection", "pair_embeddings", "user_aggregates", "neighbours")       # what makes an interval complete
 
 
-def precompute_config(overrides: dict | None) -> PrecomputeConfig:
-    """A PrecomputeConfig from JSON-style overrides (unknown keys are an error, named)."""
-    from solaris_jobs.candidates import SimulatorConfig
-    o = dict(overrides or {})
-    known = {f.name for f in fields(PrecomputeConfig)}
-    unknown = set(o) - known
-    if unknown:
-        raise ValueError(f"SOLARIS_PRECOMPUTE: unknown settings {sorted(unknown)}; known: {sorted(known)}")
-    if "simulator" in o:
-        o["simulator"] = SimulatorConfig(**o["simulator"])
-    return PrecomputeConfig(**o)
+def store(s: Settings):
+    """The online store the settings' Feast repo names."""
+    from solaris_jobs import store_config
+    return store_config.load(s.feature_repo)
 
 
-@dataclass(frozen=True)
-class RefreshSettings:
-    data: str
-    offline: str
-    models: str
-    feature_repo: str | None = None
-    expire_from: str = "event"
-    master: str | None = None
-    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
-    max_bad_share: float = 0.05
-
-    @classmethod
-    def from_env(cls, env=None, **overrides) -> "RefreshSettings":
-        env = os.environ if env is None else env
-        missing = [v for v in ("SOLARIS_DATA", "SOLARIS_OFFLINE", "SOLARIS_MODELS") if not env.get(v)]
-        if missing and not {"data", "offline", "models"} <= set(overrides):
-            raise ValueError(f"set {', '.join(missing)} (where the event log, the offline store and the models are)")
-        raw = env.get("SOLARIS_PRECOMPUTE")
-        try:
-            pc = precompute_config(json.loads(raw) if raw else None)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"SOLARIS_PRECOMPUTE is not JSON: {e}") from e
-        s = cls(data=env.get("SOLARIS_DATA", ""), offline=env.get("SOLARIS_OFFLINE", ""),
-                models=env.get("SOLARIS_MODELS", ""), feature_repo=env.get("SOLARIS_FEATURE_REPO"),
-                expire_from=env.get("SOLARIS_EXPIRE_FROM", "event"), master=env.get("SOLARIS_SPARK_MASTER"),
-                precompute=pc, max_bad_share=_share(env.get("SOLARIS_MAX_BAD_SHARE", "0.05")))
-        return replace(s, **overrides)
-
-    def job(self, start, end):
-        from spark_jobs.common import JobArgs
-        return JobArgs(self.data, self.offline, self.models, pd.Timestamp(start).isoformat(),
-                       pd.Timestamp(end).isoformat())
-
-    def store(self):
-        from solaris_jobs import store_config
-        return store_config.load(self.feature_repo)
-
-
-def _share(raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v <= 1:
-        raise ValueError(f"SOLARIS_MAX_BAD_SHARE={raw!r}: need a share between 0 and 1")
-    return v
-
-
-def _utc(t) -> pd.Timestamp:
-    from solaris_jobs.events import to_utc
-    return to_utc(t)
-
-
-def validate(s: RefreshSettings, start, end) -> dict:
+def validate(s: Settings, start, end, *, events=None, clock=None) -> dict:
     """The interval's events are readable and in the contract; counts (an empty hour is allowed, and said).
 
     Rows that read but break the contract (ids <= 0, labels other than 0/1) are counted per reason; selection
     sets them aside into ``rejects``. More than ``max_bad_share`` of the interval's rows bad fails the task: an
     upstream log that broke is stopped here, before hours of FM inference run on what is left of it.
     """
-    from solaris_jobs.events import DataContractError, bad_event_counts, read_events
-    start, end = _utc(start), _utc(end)
-    t = read_events(s.data, start, end)
+    from solaris_jobs.events import DataContractError, bad_event_counts
+    from solaris_jobs.settings import env_var
+    start, end = interval(start, end)
+    source = event_source(s.data if events is None else events)
+    t = source.table(start, end)
     n = t.num_rows
     users = len(set(t.column("user_id").to_pylist())) if n else 0
     bad = bad_event_counts(t)
@@ -115,59 +52,49 @@ def validate(s: RefreshSettings, start, end) -> dict:
         logger.warning("no events in [%s, %s): the refresh still runs on the earlier log", start, end)
     elif n_bad > s.max_bad_share * n:
         raise DataContractError(
-            f"{s.data}/events [{start.isoformat()}, {end.isoformat()}): {n_bad} of {n} rows break the event "
+            f"{source.describe()} [{start.isoformat()}, {end.isoformat()}): {n_bad} of {n} rows break the event "
             f"contract ({', '.join(f'{k}: {v}' for k, v in bad.items() if v)}), more than "
-            f"SOLARIS_MAX_BAD_SHARE={s.max_bad_share}; fix the log (or raise the limit) and rerun the interval")
+            f"{env_var('max_bad_share')}={s.max_bad_share}; fix the log (or raise the limit) and rerun the interval")
     elif n_bad:
         logger.warning("[%s, %s): %d of %d rows will be set aside: %s", start, end, n_bad, n, bad)
     return {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": n, "users": users,
             "bad_events": {k: v for k, v in bad.items() if v}}
 
 
-def drain_misses(s: RefreshSettings, start=None, end=None) -> dict:
+def drain_misses(s: Settings, start=None, end=None, **_) -> dict:
     """Moves the serving miss stream (Redis) into ``<offline>/misses/`` before selection reads it."""
-    cfg = s.store()
+    cfg = store(s)
     if cfg.kind != "redis":
         return {"skipped": "the SQLite store's misses are written to <offline>/misses/ directly"}
     from solaris_jobs.serving import drain_misses as drain
     return drain(cfg, s.offline)
 
 
-def spark_step(s: RefreshSettings, step: str, start, end, spark=None) -> dict:
-    """One of the Spark steps (select, embed, aggregate, neighbours) for the interval, in-process."""
-    from solaris_jobs.spark import spark_session
-    from spark_jobs import refresh
-    if step not in SPARK_STEPS:
-        raise ValueError(f"unknown Spark step {step!r}: {SPARK_STEPS}")
-    spark = spark or spark_session(f"solaris-{step}", s.master)
-    return refresh.run(spark, s.job(_utc(start), _utc(end)), s.precompute, (step,))[step]
-
-
-def materialize(s: RefreshSettings, start, end) -> dict:
+def materialize(s: Settings, start, end, *, clock=None, views=None, always_check: bool = False, **_) -> dict:
+    """The interval's three views into the online store (``solaris_jobs.materialize``), expiring by the clock."""
     from solaris_jobs.materialize import materialize as write
-    return write(s.store(), s.offline, _utc(end), expire_from=s.expire_from, start=_utc(start))
+    start, end = interval(start, end)
+    return write(store(s), s.offline, end, views, expire_from=s.expire_from, start=start,
+                 now=clock() if clock else None, always_check=always_check)
 
 
-def report(s: RefreshSettings, start, end) -> dict:
+def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
     """Coverage and freshness of the interval.
 
     Coverage: of the interval's actual events (the requests that came), the share whose pair had an embedding
     precomputed by the previous interval (ending at ``start``), else whose user had an aggregate, else a
-    neighbour embedding, else none. Freshness: how old the interval's features are now, and what the online store
-    holds. Written to ``<offline>/reports/end=.../report.json`` (local offline stores) and returned.
+    neighbour embedding, else none. Freshness: how old the interval's features are now (the clock), and what the
+    online store holds. Written to ``<offline>/reports/end=.../report.json`` and returned.
     """
-    import pyarrow.dataset as ds
-
-    from solaris_jobs.events import read_events
-    from solaris_jobs.materialize import interval_dir, materialized_intervals
-    start, end = _utc(start), _utc(end)
-    ev = read_events(s.data, start, end, columns=["user_id", "item_id", "event_timestamp"]).to_pandas()
+    from solaris_jobs.materialize import materialized_intervals
+    start, end = interval(start, end)
+    source = event_source(s.data if events is None else events)
+    ev = source.table(start, end, columns=["user_id", "item_id", "event_timestamp"]).to_pandas()
 
     def keys(dataset, cols):
-        path = interval_dir(s.offline, dataset, start)
-        if not Path(path, "_SUCCESS").exists():
+        if not off.is_complete(s.offline, dataset, start):
             return None
-        return ds.dataset(path, format="parquet").to_table(columns=cols).to_pandas()
+        return off.read_table(s.offline, dataset, start, cols).to_pandas()
 
     tiers = {"pair": 0, "user_aggregate": 0, "neighbour": 0, "none": 0}
     previous = {"pair_embeddings": keys("pair_embeddings", ["user_id", "item_id"]),
@@ -184,81 +111,107 @@ def report(s: RefreshSettings, start, end) -> dict:
             tiers[tier] = int(hit.sum())
             left = left[~hit.to_numpy()]
         tiers["none"] = len(ev) - sum(tiers.values())
-    stored = materialized_intervals(s.store())
+    stored = materialized_intervals(store(s))
     latest = max(stored) if stored else None
-    now = pd.Timestamp.now(tz="UTC")
+    now = (clock or wall_clock)()
     out = {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": len(ev),
            "previous_interval_available": previous["pair_embeddings"] is not None,
            "coverage": {k: round(v / len(ev), 4) if len(ev) else None for k, v in tiers.items()},
            "coverage_counts": tiers,
            "materialized": end in stored, "latest_materialized_end": latest.isoformat() if latest else None,
            "feature_age_hours_now": round((now - end).total_seconds() / 3600, 2)}
-    offline = str(s.offline).removeprefix("file://")
-    if "://" not in offline:
-        path = Path(interval_dir(offline, "reports", end))
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "report.json").write_text(json.dumps(out, indent=2) + "\n")
+    off.write_report(s.offline, end, out)
     return out
 
 
-def run_step(s: RefreshSettings, step: str, start, end, spark=None) -> dict:
-    """Any step by name; the stats as plain JSON types (an Airflow XCom)."""
+_LOCAL_STEPS = {"validate": validate, "drain_misses": drain_misses, "materialize": materialize, "report": report}
+
+
+def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, models=None, clock=None) -> dict:
+    """Any step by name for the interval; the stats as plain JSON types (an Airflow XCom).
+
+    Args:
+        spark: a session to reuse for the Spark steps (None: ``jobs.session(s)``).
+        events, models, clock: see ``solaris_jobs.jobs``.
+    """
+    start, end = interval(start, end)
     if step in SPARK_STEPS:
-        out = spark_step(s, step, start, end, spark)
-    elif step in STEPS:
-        out = {"validate": validate, "drain_misses": drain_misses, "materialize": materialize,
-               "report": report}[step](s, start, end)
+        spark = spark or jobs.session(s, step)
+        out = jobs.run(spark, s, start, end, (step,), events=events, models=models, clock=clock)[step]
+    elif step in _LOCAL_STEPS:
+        out = _LOCAL_STEPS[step](s, start, end, events=events, clock=clock)
     else:
         raise ValueError(f"unknown step {step!r}: {STEPS}")
     return json.loads(json.dumps(out, default=str))
 
 
-def interval_complete(s: RefreshSettings, end) -> bool:
+def interval_complete(s: Settings, end) -> bool:
     """The interval's outputs are all complete offline and it was materialized into the configured store."""
-    from solaris_jobs.materialize import interval_dir, materialized_intervals
-    end = _utc(end)
-    done = all(Path(interval_dir(s.offline, d, end), "_SUCCESS").exists()
-               for d in ("selection", "pair_embeddings", "user_aggregates", "neighbours"))
-    return done and end in materialized_intervals(s.store())
+    from solaris_jobs.events import to_utc
+    from solaris_jobs.materialize import materialized_intervals
+    end = to_utc(end)
+    return all(off.is_complete(s.offline, d, end) for d in OUTPUTS) and end in materialized_intervals(store(s))
 
 
-def backfill(s: RefreshSettings, start, end, every="1h", force: bool = False, progress: bool = False) -> list:
-    """Runs every step for each interval of ``[start, end)`` in order, skipping complete intervals (unless
-    ``force``). A failing interval raises after logging which one; a rerun starts again from that interval.
+def run_intervals(start, end, every, fn, *, skip=None, progress: bool = False, desc: str = "intervals") -> list:
+    """The one interval loop: ``fn(start, end)`` for each interval of ``[start, end)`` split by ``every`` (None:
+    one interval), in order; ``skip(start, end)`` true marks an interval skipped instead. A failing interval
+    raises after logging which one (a rerun starts again from it).
 
     Returns:
-        Per interval: {"interval_end", "status": "done" | "skipped", "steps": {step: stats}, "seconds": {...}}.
+        Per interval, ``fn``'s dict, or {"interval_start", "interval_end", "status": "skipped"}.
     """
     from solaris_jobs.events import split_intervals
-    from solaris_jobs.spark import spark_session
     intervals = split_intervals(start, end, every)
-    spark = None
     out = []
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(intervals), unit="interval", desc="backfill")
+        bar = tqdm(total=len(intervals), unit="interval", desc=desc)
     try:
         for a, b in intervals:
-            if not force and interval_complete(s, b):
-                out.append({"interval_end": b.isoformat(), "status": "skipped"})
+            if skip is not None and skip(a, b):
+                out.append({"interval_start": a.isoformat(), "interval_end": b.isoformat(), "status": "skipped"})
             else:
-                steps, secs = {}, {}
-                for step in STEPS:
-                    if step in SPARK_STEPS and spark is None:
-                        spark = spark_session("solaris-backfill", s.master)
-                    t0 = time.perf_counter()
-                    try:
-                        steps[step] = run_step(s, step, a, b, spark)
-                    except Exception:
-                        logger.error("backfill: interval ending %s failed in step %s", b, step)
-                        raise
-                    secs[step] = round(time.perf_counter() - t0, 2)
-                out.append({"interval_end": b.isoformat(), "status": "done", "steps": steps, "seconds": secs})
+                try:
+                    out.append(fn(a, b))
+                except Exception:
+                    logger.error("%s: the interval [%s, %s) failed", desc, a.isoformat(), b.isoformat())
+                    raise
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(f"{b.isoformat()} {out[-1]['status']}")
+                bar.set_postfix_str(f"{b.isoformat()} {out[-1].get('status', 'done')}")
     finally:
         if bar is not None:
             bar.close()
     return out
+
+
+def backfill(s: Settings, start, end, every="1h", force: bool = False, progress: bool = False, *, events=None,
+             clock=None) -> list:
+    """Runs every step for each interval of ``[start, end)`` in order, skipping complete intervals (unless
+    ``force``), in one Spark session.
+
+    Returns:
+        Per interval: {"interval_start", "interval_end", "status": "done" | "skipped", "steps": {step: stats},
+        "seconds": {step: s}}.
+    """
+    session = []
+
+    def one(a, b):
+        steps, secs = {}, {}
+        for step in STEPS:
+            if step in SPARK_STEPS and not session:
+                session.append(jobs.session(s, "backfill"))
+            t0 = time.perf_counter()
+            try:
+                steps[step] = run_step(s, step, a, b, session[0] if session else None, events=events, clock=clock)
+            except Exception:
+                logger.error("backfill: interval ending %s failed in step %s", b, step)
+                raise
+            secs[step] = round(time.perf_counter() - t0, 2)
+        return {"interval_start": a.isoformat(), "interval_end": b.isoformat(), "status": "done", "steps": steps,
+                "seconds": secs}
+
+    return run_intervals(start, end, every, one, skip=None if force else (lambda a, b: interval_complete(s, b)),
+                         progress=progress, desc="backfill")

@@ -2,72 +2,29 @@
 inference, user aggregates and neighbour embeddings.
 
 Every transform takes DataFrames and scalars (never a session or a path) so that it is testable on a few rows;
-the entry points in ``spark_jobs/`` do the reading and writing. Time: a run prepares interval ``[start, end)``
+the jobs in ``solaris_jobs.jobs`` do the reading and writing. Time: a run prepares interval ``[start, end)``
 after it closes; T = ``end`` is the cutoff. Everything is computed from events with ``event_timestamp < T``
 (and ``>= T - lookback_days`` where a bound is set); embeddings are stamped with T.
 
-Model scoring runs on executors with ``mapInPandas``: each Python worker loads a checkpoint once (cached by path
-and modification time) and scores Arrow batches; nothing is collected to the driver except the FAISS step in
+Model scoring runs on executors with ``mapInPandas``: each Python worker loads a checkpoint once (the version the
+run resolved, checked: ``solaris_jobs.model_refs``) and scores Arrow batches; nothing is collected to the driver except the FAISS step in
 ``solaris_jobs.neighbours``.
 """
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from solaris_jobs.candidates import SimulatorConfig
+from solaris_jobs.model_refs import ModelRef, ModelSet, load
+from solaris_jobs.settings import PrecomputeConfig, SimulatorConfig
 
 logger = logging.getLogger(__name__)
 
-_MODELS: dict = {}
-
-
-@dataclass(frozen=True)
-class PrecomputeConfig:
-    """Settings of one refresh (CLI options and DAG params map onto these fields).
-
-    Attributes:
-        simulator: candidate-set sizes and windows of the request simulator.
-        active_hours: users with an event in ``[T - active_hours, T)`` are expected to be served soon.
-        lookback_days: history, counters and co-visitation read events in ``[T - lookback_days, T)``
-            (None: the whole log before T).
-        select_share: share of scored pairs sent to the FM.
-        select_scope: ``user`` (top share of each user's candidates, at least one) or ``global`` (top share of
-            all pairs by verifier score).
-        exclusion_runs: K; a pair in the bottom ``exclusion_share`` of its user's candidates in each of the last
-            K runs is skipped before scoring (0 disables).
-        miss_hours: serving misses recorded in ``[T - miss_hours, T)`` are forced into the selection.
-        history_len: FM history length L (must match the FM).
-        batch_size: rows per model batch on executors.
-        aggregate_hours: window of the user aggregate.
-        knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search.
-        torch_threads: torch threads per Spark task.
-    """
-    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
-    active_hours: float = 24.0
-    lookback_days: float | None = 30.0
-    select_share: float = 0.2
-    select_scope: str = "user"
-    exclusion_runs: int = 3
-    exclusion_share: float = 0.5
-    miss_hours: float = 24.0
-    history_len: int = 50
-    batch_size: int = 1024
-    device: str = "auto"
-    aggregate_hours: float = 24.0
-    knn_k: int = 10
-    knn_exact_max: int = 100_000
-    torch_threads: int = 1
-
-    def __post_init__(self):
-        if self.select_scope not in ("user", "global"):
-            raise ValueError(f"select_scope must be 'user' or 'global', got {self.select_scope!r}")
-        if not 0 < self.select_share <= 1:
-            raise ValueError(f"select_share must be in (0, 1], got {self.select_share}")
+# Why an FM output is set aside instead of written (embed counts them per reason in its stats).
+NONFINITE_REASONS = ("FM output is not finite", "autoencoder code is not finite")
+NONFINITE_USER = "FM user embedding is not finite"
 
 
 # ----------------------------------------------------------------------------------------------- events
@@ -198,33 +155,7 @@ COUNTER_COLS = [f"{p}_{k}" for p in ("user", "item") for k in ("cnt", "known", "
 
 # ----------------------------------------------------------------------------------------------- models on executors
 
-def _load(path: str, kind: str, device: str, threads: int):
-    """A checkpoint loaded once per Python worker (keyed by path and modification time)."""
-    import torch
-
-    from models import load_checkpoint
-    from solaris_jobs.training import resolve_device
-    key = (str(path), os.path.getmtime(path), kind, device)
-    if key not in _MODELS:
-        torch.set_num_threads(threads)
-        dev = resolve_device(device)
-        model, meta = load_checkpoint(path, map_location=dev, kind=kind)
-        _MODELS[key] = (model.to(dev), meta, dev)
-    return _MODELS[key]
-
-
-def model_version(path: str, kind: str) -> str:
-    """Reads the version of a checkpoint on the driver."""
-    from models import load_checkpoint
-    return load_checkpoint(path, kind=kind)[1]["model_version"]
-
-
-def embedding_version(fm_path: str, ae_path: str) -> str:
-    """The version stamped on embeddings: ``<fm version>+<ae version>`` (a code means nothing without both)."""
-    return f"{model_version(fm_path, 'fm')}+{model_version(ae_path, 'ae')}"
-
-
-def score_pairs(pairs, vm_path: str, cfg: PrecomputeConfig):
+def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
     """Adds ``vm_score`` (the verifier: the current VM without FM features) to pairs with counter columns."""
     from pyspark.sql.types import FloatType, StructField, StructType
 
@@ -235,7 +166,7 @@ def score_pairs(pairs, vm_path: str, cfg: PrecomputeConfig):
         import torch
 
         from models import batch_to_tensors
-        vm, _, dev = _load(vm_path, "vm", device, threads)
+        model, _, dev = load(vm, device, threads)
         for pdf in frames:
             scores = np.empty(len(pdf), np.float32)
             for s in range(0, len(pdf), batch_size):
@@ -243,7 +174,7 @@ def score_pairs(pairs, vm_path: str, cfg: PrecomputeConfig):
                 b = {"user": part["user_id"].to_numpy(), "item": part["item_id"].to_numpy(),
                      **{c: part[c].to_numpy(np.float32) for c in COUNTER_COLS}}
                 with torch.inference_mode():
-                    scores[s: s + len(part)] = torch.sigmoid(vm(batch_to_tensors(b, dev))["logit"]).cpu().numpy()
+                    scores[s: s + len(part)] = torch.sigmoid(model(batch_to_tensors(b, dev))["logit"]).cpu().numpy()
             yield pdf.assign(vm_score=scores)
 
     return pairs.mapInPandas(score, schema)
@@ -355,32 +286,45 @@ def _examples(pdf: pd.DataFrame, at_us: int, history_len: int):
                             history_len)
 
 
-def embed_pairs(pairs, fm_path: str, ae_path: str, cutoff, cfg: PrecomputeConfig, version: str):
+def _nonfinite(*arrays) -> np.ndarray:
+    """Per row, the index of the first array whose row has a NaN or infinity, else -1."""
+    out = np.full(len(arrays[0]), -1, np.int64)
+    for k, a in reversed(list(enumerate(arrays))):
+        out[~np.isfinite(a).all(1)] = k
+    return out
+
+
+def embed_pairs(pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
     """Pair embeddings: FM interaction embedding -> autoencoder code, in the pair-embedding contract.
 
     Args:
         pairs: (user_id, item_id, counter columns, history arrays) — see ``with_counters`` and
             ``user_histories``.
-        version: model version written with each row (``<fm version>+<ae version>``).
+        models: the run's FM and autoencoder; their ``embedding_version`` is written with each row.
+        cfg: ``history_len`` must be the FM's (``model_refs.resolve`` checks it).
 
     Returns:
-        (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version).
+        (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version, reject_reason): the
+        reason (``NONFINITE_REASONS``) is null for rows in the contract; the job writes the others aside.
     """
     from pyspark.sql.types import (ArrayType, FloatType, LongType, StringType, StructField, StructType,
                                    TimestampType)
     schema = StructType([StructField("user_id", LongType()), StructField("item_id", LongType()),
                          StructField("embedding", ArrayType(FloatType())),
-                         StructField("event_timestamp", TimestampType()), StructField("model_version", StringType())])
+                         StructField("event_timestamp", TimestampType()), StructField("model_version", StringType()),
+                         StructField("reject_reason", StringType())])
     at = pd.Timestamp(cutoff)
     at_us = at.value // 1000
     batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    fm_ref, ae_ref, version = models.fm, models.ae, models.embedding_version
+    reasons = np.array([*NONFINITE_REASONS, None], dtype=object)
 
     def embed(frames):
         import torch
 
         from models import batch_to_tensors
-        fm, _, dev = _load(fm_path, "fm", device, threads)
-        ae, _, _ = _load(ae_path, "ae", device, threads)
+        fm, _, dev = load(fm_ref, device, threads)
+        ae, _, _ = load(ae_ref, device, threads)
         for pdf in frames:
             for s in range(0, len(pdf), batch_size):
                 part = pdf.iloc[s: s + batch_size]
@@ -388,32 +332,39 @@ def embed_pairs(pairs, fm_path: str, ae_path: str, cutoff, cfg: PrecomputeConfig
                 b = ex.batch(np.arange(len(part)))
                 b.update({c: part[c].to_numpy(np.float32) for c in COUNTER_COLS})
                 with torch.inference_mode():
-                    code = ae.encode(fm(batch_to_tensors(b, dev))["h"]).float().cpu().numpy()
+                    h = fm(batch_to_tensors(b, dev))["h"]
+                    code = ae.encode(h).float().cpu().numpy()
+                    h = h.float().cpu().numpy()
                 yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "item_id": part["item_id"].to_numpy(),
-                                    "embedding": list(code), "event_timestamp": at, "model_version": version})
+                                    "embedding": list(code), "event_timestamp": at, "model_version": version,
+                                    "reject_reason": reasons[_nonfinite(h, code)]})
 
     return pairs.mapInPandas(embed, schema)
 
 
-def embed_users(users_with_history, fm_path: str, cutoff, cfg: PrecomputeConfig):
-    """FM user-level embeddings (no target) for (user_id, history arrays): (user_id, vector array<float>)."""
-    from pyspark.sql.types import ArrayType, FloatType, LongType, StructField, StructType
-    schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType()))])
+def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig):
+    """FM user-level embeddings (no target) for (user_id, history arrays): (user_id, vector array<float>,
+    reject_reason), the reason ``NONFINITE_USER`` for vectors with a NaN or infinity (else null)."""
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
+    schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType())),
+                         StructField("reject_reason", StringType())])
     at_us = pd.Timestamp(cutoff).value // 1000
     batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    reasons = np.array([NONFINITE_USER, None], dtype=object)
 
     def embed(frames):
         import torch
 
         from models import batch_to_tensors
-        fm, _, dev = _load(fm_path, "fm", device, threads)
+        model, _, dev = load(fm, device, threads)
         for pdf in frames:
             for s in range(0, len(pdf), batch_size):
                 part = pdf.iloc[s: s + batch_size]
                 b = _examples(part, at_us, L).batch(np.arange(len(part)))
                 with torch.inference_mode():
-                    vec = fm.user_embedding(batch_to_tensors(b, dev)).float().cpu().numpy()
-                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "vector": list(vec)})
+                    vec = model.user_embedding(batch_to_tensors(b, dev)).float().cpu().numpy()
+                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "vector": list(vec),
+                                    "reject_reason": reasons[_nonfinite(vec)]})
 
     return users_with_history.mapInPandas(embed, schema)
 

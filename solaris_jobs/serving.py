@@ -94,10 +94,11 @@ class RedisStreamSink:
 
 
 class ParquetSink:
-    """Misses as parquet files (user_id, item_id, missed_at) in ``<offline>/misses/``, read by the next refresh."""
+    """Misses as parquet files (user_id, item_id, missed_at) in ``<offline>/misses/`` (``offline.misses_uri``; any
+    URI the offline store takes), read by the next refresh."""
 
     def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
+        self.folder = str(folder)
 
     def write(self, records: list[tuple[int, np.ndarray, int]]) -> None:
         write_misses(self.folder, records)
@@ -106,24 +107,19 @@ class ParquetSink:
         pass
 
 
-def write_misses(folder: Path, records) -> Path | None:
+def write_misses(folder: str, records) -> str | None:
     """Writes (user, item ids, at ms) records as one parquet file, atomically; returns its path."""
     if not records:
         return None
     import pyarrow as pa
-    import pyarrow.parquet as pq
     lens = [len(r[1]) for r in records]
     table = pa.table({
         "user_id": pa.array(np.repeat([r[0] for r in records], lens), pa.int64()),
         "item_id": pa.array(np.concatenate([np.asarray(r[1], np.int64) for r in records]), pa.int64()),
         "missed_at": pa.array(np.repeat([r[2] for r in records], lens).astype("datetime64[ms]"),
                               pa.timestamp("us", tz="UTC"))})
-    folder.mkdir(parents=True, exist_ok=True)
-    name = f"misses-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.parquet"
-    tmp = folder / f".{name}.tmp"
-    pq.write_table(table, tmp)
-    tmp.rename(folder / name)
-    return folder / name
+    from solaris_jobs.offline import write_parquet
+    return write_parquet(folder, table, f"misses-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.parquet")
 
 
 class MissQueue:
@@ -177,7 +173,8 @@ def drain_misses(cfg: StoreConfig, offline: str | Path, chunk: int = 100_000) ->
     misses (harmless: they are a set of pairs to force in).
     """
     client = redis_client(cfg, timeout_s=30)
-    stream, folder = miss_stream(cfg.project), Path(str(offline).removeprefix("file://")) / "misses"
+    from solaris_jobs.offline import misses_uri
+    stream, folder = miss_stream(cfg.project), misses_uri(offline)
     moved = files = 0
     try:
         while True:
@@ -191,7 +188,7 @@ def drain_misses(cfg: StoreConfig, offline: str | Path, chunk: int = 100_000) ->
             files += 1
     finally:
         client.close()
-    return {"pairs": moved, "files": files, "folder": str(folder)}
+    return {"pairs": moved, "files": files, "folder": folder}
 
 
 # ------------------------------------------------------------------------------------------------ reader
@@ -230,7 +227,7 @@ class FeatureReader:
         self._ts_cache: dict = {}
         self._ttl = {n: v.ttl.total_seconds() for n, v in self.views.items()}
         if misses == "auto":
-            misses = RedisStreamSink(cfg) if cfg.kind == "redis" else (ParquetSink(Path(misses_dir)) if misses_dir
+            misses = RedisStreamSink(cfg) if cfg.kind == "redis" else (ParquetSink(misses_dir) if misses_dir
                                                                        else None)
         self.misses = MissQueue(misses, self.metrics, miss_queue_size) if misses is not None else None
         self._suffix = cfg.project.encode() if cfg.kind == "redis" else b""     # Feast's Redis keys end so

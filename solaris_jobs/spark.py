@@ -1,9 +1,9 @@
-"""Spark session and I/O helpers shared by the jobs (``spark_jobs/``) and the tests.
+"""Spark session and I/O helpers shared by the jobs (``solaris_jobs.jobs``) and the tests.
 
-Sessions run in UTC with Arrow transfers on; local sessions get ``$SOLARIS_SPARK_DRIVER_MEMORY`` (default 4g) of
-driver heap, which in local mode is also the executors' heap, and log at ``$SOLARIS_SPARK_LOG_LEVEL`` (WARN).
-``master`` defaults to ``$SOLARIS_SPARK_MASTER`` or ``local[*]``; under ``spark-submit`` the master given there
-wins (``getOrCreate`` returns that session).
+Sessions run in UTC with Arrow transfers on. Their settings (master, driver memory, log level) come from the
+caller, i.e. from ``Settings`` (``jobs.session``); ``master`` None keeps spark-submit's master (or pyspark's default,
+``local[*]``), and ``sc://host:port`` opens a Spark Connect session. Nothing in the jobs needs the JVM gateway
+(``spark._jvm``, ``sparkContext``), so the same code runs on a classic and a Connect session.
 """
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ import sys
 logger = logging.getLogger(__name__)
 
 
-def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None):
+def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None, *,
+                  driver_memory: str = "4g", log_level: str = "WARN"):
     """Returns a SparkSession (creating one if needed) configured for SOLARIS jobs.
 
     Args:
         app_name: shown in the Spark UI.
-        master: e.g. ``local[2]`` or ``spark://host:7077``; None keeps an existing session's master, else
-            ``$SOLARIS_SPARK_MASTER``, else ``local[*]``.
+        master: e.g. ``local[2]``, ``spark://host:7077`` or ``sc://host:15002`` (Spark Connect); None keeps an
+            existing session's or spark-submit's master, else ``local[*]``.
         conf: extra Spark settings.
+        driver_memory: heap of a local driver (in local mode also the executors'); ignored when the JVM runs.
+        log_level: Spark's log level (classic sessions).
     """
     # Python workers must run the interpreter that has the project's packages.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -29,8 +32,12 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
+    if master and master.startswith("sc://"):
+        builder = SparkSession.builder.remote(master).appName(app_name)
+        for k, v in {"spark.sql.session.timeZone": "UTC", **(conf or {})}.items():
+            builder = builder.config(k, v)
+        return builder.getOrCreate()
     builder = SparkSession.builder.appName(app_name)
-    master = master or os.environ.get("SOLARIS_SPARK_MASTER")
     if master:
         builder = builder.master(master)
     elif not SparkSession.getActiveSession() and "spark.master" not in os.environ.get("SPARK_CONF", ""):
@@ -42,7 +49,7 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
         "spark.sql.shuffle.partitions": "32",
         "spark.sql.adaptive.enabled": "true",
         # In local mode the driver is also the executor; ignored when the JVM is already running.
-        "spark.driver.memory": os.environ.get("SOLARIS_SPARK_DRIVER_MEMORY", "4g"),
+        "spark.driver.memory": driver_memory,
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
         **(conf or {}),
@@ -50,8 +57,18 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     for k, v in settings.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("SOLARIS_SPARK_LOG_LEVEL", "WARN"))
+    spark.sparkContext.setLogLevel(log_level)
     return spark
+
+
+def parallelism(spark) -> int:
+    """The session's default parallelism (Spark Connect: ``spark.default.parallelism``, else the shuffle
+    partitions), at least 1."""
+    try:
+        return max(spark.sparkContext.defaultParallelism, 1)
+    except Exception:         # Spark Connect sessions have no SparkContext
+        conf = spark.conf.get("spark.default.parallelism", None) or spark.conf.get("spark.sql.shuffle.partitions")
+        return max(int(conf), 1)
 
 
 def read_events(spark, root: str, start=None, end=None):

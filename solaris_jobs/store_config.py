@@ -2,7 +2,7 @@
 so that `feast apply`, our materializer, the serving client and a ranker using the Feast SDK agree.
 
 The yaml is ``$FEAST_FS_YAML_FILE_PATH`` when set (Feast's own switch), else ``<repo>/feature_store.yaml``; the
-repo is ``$SOLARIS_FEATURE_REPO`` or this project's ``feature_repo/``. ``${VARS}`` in the file are expanded from
+repo is the one given, else ``settings.feature_repo()`` (the environment's, or this project's ``feature_repo/``). ``${VARS}`` in the file are expanded from
 the environment, as Feast does. Supported online stores: ``sqlite`` (path relative to the repo) and ``redis``
 (``redis_type`` redis or redis_cluster; ``connection_string`` as Feast parses it: ``host:port[,host:port],
 password=...,ssl=true,db=0``).
@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_REPO = Path(__file__).resolve().parent.parent / "feature_repo"
+from solaris_jobs import settings
+
+DEFAULT_REPO = settings.PROJECT_ROOT / "feature_repo"
 
 
 @dataclass(frozen=True)
@@ -60,14 +62,14 @@ def parse_connection_string(s: str) -> tuple[list[tuple[str, int]], dict]:
 
 def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None) -> StoreConfig:
     import yaml
-    repo = Path(repo or os.environ.get("SOLARIS_FEATURE_REPO") or DEFAULT_REPO).resolve()
+    repo = settings.feature_repo(repo)
     if yaml_path is None:
         yaml_path = os.environ.get("FEAST_FS_YAML_FILE_PATH") or repo / "feature_store.yaml"
     yaml_path = Path(yaml_path)
     if not yaml_path.is_absolute() and not yaml_path.exists():
         yaml_path = repo / yaml_path
     if not yaml_path.exists():
-        raise FileNotFoundError(f"{yaml_path}: no feature_store.yaml (set SOLARIS_FEATURE_REPO or "
+        raise FileNotFoundError(f"{yaml_path}: no feature_store.yaml (set {settings.env_var('feature_repo')} or "
                                 f"FEAST_FS_YAML_FILE_PATH)")
     text = os.path.expandvars(yaml_path.read_text())
     raw = yaml.safe_load(text) or {}

@@ -1,9 +1,9 @@
 """The training DAG's task functions: versioned model folders, training, atomic publication, re-embedding.
 
-Registry layout (``$SOLARIS_MODEL_REGISTRY``)::
+Registry layout (``settings.model_registry()``)::
 
     versions/<stamp>/{fm,ae,vm,vm_transfer}.pt     one folder per training run
-    current -> versions/<stamp>                    what the refresh DAG uses ($SOLARIS_MODELS=<registry>/current)
+    current -> versions/<stamp>                    what the refresh DAG uses (Settings.models = <registry>/current)
 """
 from __future__ import annotations
 
@@ -15,26 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from solaris_jobs.settings import Settings, train_settings
+from solaris_jobs.settings import model_registry as registry
+
 logger = logging.getLogger(__name__)
-
-TRAIN_DEFAULTS = {"epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2,
-                  "d_interaction": 128, "d_code": 32, "max_train_rows": None, "seed": 0}
-
-
-def registry() -> Path:
-    root = os.environ.get("SOLARIS_MODEL_REGISTRY")
-    if not root:
-        raise ValueError("set SOLARIS_MODEL_REGISTRY (the folder holding versions/ and the current link)")
-    return Path(root)
-
-
-def train_settings() -> dict:
-    raw = os.environ.get("SOLARIS_TRAIN")
-    o = json.loads(raw) if raw else {}
-    unknown = set(o) - set(TRAIN_DEFAULTS)
-    if unknown:
-        raise ValueError(f"SOLARIS_TRAIN: unknown settings {sorted(unknown)}; known: {sorted(TRAIN_DEFAULTS)}")
-    return {**TRAIN_DEFAULTS, **o}
 
 
 def new_version_dir(run_id: str) -> str:
@@ -51,8 +35,10 @@ def train(kind: str, version_dir: str) -> dict:
     d = Path(version_dir)
     cfg = training.TrainConfig(epochs=o["epochs"], batch_size=o["batch_size"], seed=o["seed"],
                                history_len=o["history_len"], max_train_rows=o["max_train_rows"])
-    data = training.load_dataset(os.environ["SOLARIS_DATA"], o["history_len"], max_train_rows=o["max_train_rows"],
-                                 seed=o["seed"])
+    root = Settings.from_env(require=False).data
+    if not root:
+        raise ValueError("set the data root (Settings.data) for training")
+    data = training.load_dataset(root, o["history_len"], max_train_rows=o["max_train_rows"], seed=o["seed"])
     if kind == "fm":
         m = training.train_fm(data, d / "fm.pt", cfg, d_model=o["d_model"], n_layers=o["layers"],
                               d_interaction=o["d_interaction"])
@@ -94,8 +80,8 @@ def reembed_latest() -> dict:
     """Re-embeds the latest materialized interval with the current models and materializes it again."""
     from solaris_jobs import orchestration as o
     from solaris_jobs.materialize import materialized_intervals
-    s = o.RefreshSettings.from_env(models=str(registry() / "current"))
-    done = materialized_intervals(s.store())
+    s = Settings.from_env(models=str(registry() / "current"))
+    done = materialized_intervals(o.store(s))
     if not done:
         return {"skipped": "no interval was materialized yet"}
     end = max(done)

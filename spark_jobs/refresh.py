@@ -1,17 +1,11 @@
-"""One whole refresh of an interval in one Spark session: selection -> FM inference -> user aggregates ->
-neighbours. (The Airflow DAG runs the same steps as separate tasks.)"""
-from __future__ import annotations
+"""One whole refresh of an interval in one Spark session (``solaris_jobs.jobs.run``): selection -> FM
+inference -> user aggregates -> neighbours. (The Airflow DAG runs the same steps as separate tasks.)
 
-from spark_jobs import fm_inference, neighbours, select_candidates, user_aggregates
+A spark-submit entry point; the job lives in the library and takes the same arguments as ``solaris refresh``::
 
-STEPS = {"select": select_candidates.run, "embed": fm_inference.run, "aggregate": user_aggregates.run,
-         "neighbours": neighbours.run}
-
-
-def run(spark, job, cfg, steps=tuple(STEPS)) -> dict:
-    return {name: STEPS[name](spark, job, cfg) for name in steps}
-
-
+    spark-submit --master spark://HOST:7077 spark_jobs/refresh.py --settings "$(cat settings.json)" \\
+        --start 2026-01-05T00:00Z --end 2026-01-05T01:00Z       # or --data D --offline O --models M ...
+"""
 if __name__ == "__main__":
-    from spark_jobs.common import entry
-    entry(run, __doc__)
+    from solaris_jobs.cli import spark_submit_main
+    spark_submit_main("refresh")

@@ -4,9 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from solaris_jobs.candidates import SimulatorConfig
 from solaris_jobs.data import movielens, synth
-from solaris_jobs.precompute import PrecomputeConfig
+from solaris_jobs.settings import PrecomputeConfig, Settings, SimulatorConfig
 
 
 @pytest.fixture(scope="session")
@@ -62,15 +61,16 @@ def synth_models(synth_root, tmp_path_factory):
 
 
 ML_END = pd.Timestamp("1998-03-01T00:00:00Z")
+ML_START = ML_END - pd.Timedelta(hours=1)
 ML_CFG = PrecomputeConfig(lookback_days=None, active_hours=24 * 14, history_len=10, batch_size=256,
                           simulator=SimulatorConfig(n_candidates=60, n_popular=30))
 
 
 @pytest.fixture(scope="session")
 def ml_run(spark, movielens_root, ml_models, tmp_path_factory):
-    """One refresh (selection, FM inference, aggregates, neighbours) of a MovieLens hour, in-process."""
-    from spark_jobs import refresh
-    from spark_jobs.common import JobArgs
-    job = JobArgs(str(movielens_root), str(tmp_path_factory.mktemp("ml_offline")), str(ml_models),
-                  (ML_END - pd.Timedelta(hours=1)).isoformat(), ML_END.isoformat())
-    return job, refresh.run(spark, job, ML_CFG)
+    """One refresh (selection, FM inference, aggregates, neighbours) of a MovieLens hour, in-process: the settings
+    and the stats."""
+    from solaris_jobs import jobs
+    s = Settings(data=str(movielens_root), offline=str(tmp_path_factory.mktemp("ml_offline")), models=str(ml_models),
+                 precompute=ML_CFG)
+    return s, jobs.run(spark, s, ML_START, ML_END)

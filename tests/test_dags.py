@@ -11,7 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from solaris_jobs.settings import Settings
 from tests.conftest import ML_CFG, ML_END
+from tests.outputs import assert_same_outputs
 from tests.servers import RedisServer, feast_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +111,8 @@ def _dump_sqlite(path: Path) -> dict:
         conn.close()
 
 
-def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END) -> None:
-    """dag.test() of solaris_refresh for the interval ending ``end``, and what it must leave behind."""
+def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
+    """dag.test() of solaris_refresh for the interval ending ``end``, and what it must leave behind; the DAG."""
     from solaris_jobs import store_config
     from solaris_jobs.materialize import materialized_intervals
     from solaris_jobs.serving import FeatureReader
@@ -123,8 +125,8 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END) ->
     assert set(states.values()) == {"success"} and len(states) == 8
     cfg = store_config.load(ROOT / "feature_repo", yaml_path)
     assert end in materialized_intervals(cfg)
-    report = json.loads((offline / "reports" / f"end={end.strftime('%Y%m%dT%H%M%SZ')}" / "report.json")
-                        .read_text())
+    from solaris_jobs import offline as off
+    report = off.read_report(offline, end)
     assert report["materialized"] and report["interval_end"] == end.isoformat()
     pairs = pd.read_parquet(offline / "pair_embeddings")
     user = int(pairs.user_id.iloc[0])
@@ -133,18 +135,38 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END) ->
     f = reader.read(user, mine.item_id.to_numpy(), end + HOUR)
     assert set(f.tier_names()) == {"pair"}
     reader.close()
+    return dag
 
 
-def test_refresh_dag_test_end_to_end_redis(airflow_env, spark, tmp_path, monkeypatch):
+def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, spark, tmp_path, monkeypatch):
+    """dag.test() end to end into Redis with SOLARIS_SPARK_CONN_ID set: the four Spark steps are
+    SparkSubmitOperators (spark-submit on a local[2] connection) and get the worker's settings whole (--settings).
+    With non-default settings their outputs equal an in-process run of the same settings, row for row (when only
+    the paths travelled, the jobs ran on the argparse defaults: a 30-day lookback, 24 active hours, L = 50)."""
+    from solaris_jobs import jobs
+    from solaris_jobs import offline as off
     offline = tmp_path / "offline"
-    monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
+    precompute = json.loads(_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5}
+    for k, v in {"SOLARIS_OFFLINE": str(offline), "SOLARIS_PRECOMPUTE": json.dumps(precompute),
+                 "SOLARIS_SPARK_CONN_ID": "solaris_test_spark",
+                 "AIRFLOW_CONN_SOLARIS_TEST_SPARK": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}.items():  # spark-submit
+        monkeypatch.setenv(k, v)
     server = RedisServer(tmp_path / "redis").start()
     try:
         yaml_path = _redis_yaml(tmp_path, server)
         monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
-        _run_dag_test(offline, yaml_path)
+        dag = _run_dag_test(offline, yaml_path)
     finally:
         server.stop()
+    assert {t: type(dag.get_task(t)).__name__ for t in ("select", "embed", "aggregate", "neighbours")} == \
+        dict.fromkeys(("select", "embed", "aggregate", "neighbours"), "SparkSubmitOperator")
+    assert off.read_stats(offline, "selection", ML_END)["select_share"] == 0.3
+    s = Settings.from_env(offline=str(tmp_path / "in_process"))
+    assert s.precompute.select_share == 0.3 and s.precompute.history_len == 10
+    jobs.run(spark, s, ML_END - HOUR, ML_END)
+    counts = assert_same_outputs(offline, s.offline, ML_END, rtol=1e-5, atol=1e-6)
+    assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
 
 
 def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path,
@@ -162,7 +184,7 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
     monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
     start = ML_END - 3 * HOUR
     _run_dag_test(offline, yaml_path, start + HOUR)
-    s = o.RefreshSettings.from_env()
+    s = Settings.from_env()
     first = o.backfill(s, start, ML_END)
     assert [r["status"] for r in first] == ["skipped", "done", "done"]
     assert [r["interval_end"] for r in first] == [(start + k * HOUR).isoformat() for k in (1, 2, 3)]
@@ -176,7 +198,8 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
     assert res.exit_code == 0, res.output
     assert [r["status"] for r in json.loads(res.stdout)] == ["skipped"] * 3
     import shutil
-    shutil.rmtree(offline / "neighbours" / f"end={(start + 2 * HOUR).strftime('%Y%m%dT%H%M%SZ')}")
+    from solaris_jobs import offline as off
+    shutil.rmtree(off.interval_uri(offline, "neighbours", start + 2 * HOUR))
     out = o.backfill(s, start, ML_END)
     assert [r["status"] for r in out] == ["skipped", "done", "skipped"]
     assert _dump_sqlite(tmp_path / "online.db") == before
@@ -235,7 +258,7 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
                                               "seed": 1}),   # seed 0 would reproduce the same weights
                  "SOLARIS_TRAIN_CRON": "none"}.items():
         monkeypatch.setenv(k, v)
-    s = o.RefreshSettings.from_env()
+    s = Settings.from_env()
     o.backfill(s, ML_END - HOUR, ML_END)                      # one interval with the old models
     old = pd.read_parquet(offline / "pair_embeddings").model_version.unique().tolist()
     run = _load_dag(DAGS / "solaris_train.py").test()

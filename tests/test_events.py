@@ -54,17 +54,21 @@ def test_validate_step_counts_bad_rows_and_stops_a_broken_interval(tmp_path):
     """The refresh's first task: rows that read but break the contract are counted per reason; past the allowed
     share the task fails with a message naming the interval, the counts and the setting."""
     from solaris_jobs import orchestration as o
+    from solaris_jobs.settings import Settings
     n = 20
     frame = pd.DataFrame({"user_id": [0, 0, -3] + list(range(1, n - 2)), "item_id": range(1, n + 1),
                           "event_timestamp": pd.date_range("2026-01-01T01:00", periods=n, freq="1min", tz="UTC"),
                           "label": [1, 0, 1, 7] + [1] * (n - 4)})
     ev.write_events(ev.conform(frame), tmp_path)
-    s = o.RefreshSettings.from_env({"SOLARIS_DATA": str(tmp_path), "SOLARIS_OFFLINE": str(tmp_path / "off"),
-                                    "SOLARIS_MODELS": str(tmp_path), "SOLARIS_MAX_BAD_SHARE": "0.25"})
+    s = Settings.from_env({"SOLARIS_DATA": str(tmp_path), "SOLARIS_OFFLINE": str(tmp_path / "off"),
+                           "SOLARIS_MODELS": str(tmp_path), "SOLARIS_MAX_BAD_SHARE": "0.25"})
     out = o.validate(s, "2026-01-01T01:00", "2026-01-01T02:00")
     assert out["events"] == n and out["bad_events"] == {"user_id is null or <= 0": 3, "label is not 0, 1 or null": 1}
+    # The same step on events already read (a replay's injected event source): the same counts.
+    assert o.validate(s, "2026-01-01T01:00", "2026-01-01T02:00", events=frame) == out
     with pytest.raises(ev.DataContractError, match=r"4 of 20 rows .*user_id is null or <= 0: 3.*MAX_BAD_SHARE=0.1"):
         o.validate(replace(s, max_bad_share=0.1), "2026-01-01T01:00", "2026-01-01T02:00")
-    with pytest.raises(ValueError, match="SOLARIS_MAX_BAD_SHARE='2'"):
-        o.RefreshSettings.from_env({"SOLARIS_DATA": "x", "SOLARIS_OFFLINE": "x", "SOLARIS_MODELS": "x",
-                                    "SOLARIS_MAX_BAD_SHARE": "2"})
+    with pytest.raises(ValueError, match=r"SOLARIS_MAX_BAD_SHARE \(max_bad_share\): .*less than or equal to 1 "
+                                         r"\(got '2'\)"):
+        Settings.from_env({"SOLARIS_DATA": "x", "SOLARIS_OFFLINE": "x", "SOLARIS_MODELS": "x",
+                           "SOLARIS_MAX_BAD_SHARE": "2"})

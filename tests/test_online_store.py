@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from solaris_jobs import feast_format as ff
+from solaris_jobs import offline as layout
 from solaris_jobs import store_config
 from solaris_jobs.materialize import materialize, materialized_intervals
 from solaris_jobs.serving import FeatureReader, drain_misses
@@ -48,7 +49,8 @@ def test_feast_byte_formats_match_feast():
 def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
     """Bad offline rows are counted per reason and never written; the good ones are served (SQLite, no Spark)."""
     end = pd.Timestamp("2026-01-05T01:00:00Z")
-    d = tmp_path / "offline" / "pair_embeddings" / f"end={end.strftime('%Y%m%dT%H%M%SZ')}"
+    # Written by hand in the layout of earlier versions (no _PUBLISHED): still read, once _SUCCESS is there.
+    d = Path(layout.interval_uri(tmp_path / "offline", "pair_embeddings", end))
     d.mkdir(parents=True)
     good = [np.full(4, k, np.float32) for k in range(3)]
     pd.DataFrame({"user_id": pd.array([1, 1, 1, None, 1, 1, 1], "Int64"), "item_id": [10, 11, 12, 13, 14, 15, 16],
@@ -104,8 +106,7 @@ def _feast(yaml_path: Path, offline: str, monkeypatch):
 
 
 def _offline(job):
-    root = Path(job.offline)
-    return {name: pd.read_parquet(root / name / f"end={ML_END.strftime('%Y%m%dT%H%M%SZ')}")
+    return {name: layout.read_table(job.offline, name, ML_END).to_pandas()
             for name in ("pair_embeddings", "user_aggregates", "neighbours")}
 
 
@@ -171,13 +172,10 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     before = _dump(client)
     materialize(cfg, offline, ML_END, expire_from="write")
     assert _dump(client) == before
-    older = Path(offline)
     for name, df in off.items():
-        d = older / name / f"end={(ML_END - HOUR).strftime('%Y%m%dT%H%M%SZ')}"
-        d.mkdir(parents=True)
-        df.assign(event_timestamp=ML_END - HOUR, embedding=[np.zeros(len(e), np.float32) for e in df.embedding]) \
-            .to_parquet(d / "part-0.parquet", coerce_timestamps="us", allow_truncated_timestamps=True)
-        (d / "_SUCCESS").touch()
+        layout.write_interval(df.assign(event_timestamp=ML_END - HOUR,
+                                     embedding=[np.zeros(len(e), np.float32) for e in df.embedding]),
+                           offline, name, ML_END - HOUR)
     st = materialize(cfg, offline, ML_END - HOUR, expire_from="write")
     assert st["checked_newer"] and st["views"]["pair_embeddings"]["skipped_older"] == len(off["pair_embeddings"])
     assert _dump(client) == before

@@ -1,21 +1,25 @@
 """The Spark precompute jobs on real MovieLens-100K and small synthetic data, with one shared Spark session."""
 import datetime as dt
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pytest
 import torch
 
 from models import load_checkpoint
 from solaris_jobs import events as ev
+from solaris_jobs import jobs
 from solaris_jobs import offline as off
 from solaris_jobs import precompute as pc
 from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
 from solaris_jobs.features import EventIndex, Examples
+from solaris_jobs.settings import Settings
 from solaris_jobs.spark import read_events
-from spark_jobs import refresh
-from spark_jobs.common import JobArgs
-from tests.conftest import ML_CFG, ML_END
+from tests.conftest import ML_END, ML_START
+from tests.outputs import assert_same_frames, read_sorted
 
 
 def _utc(ts):
@@ -135,18 +139,11 @@ def test_user_aggregates_and_neighbours_equal_pandas(spark, ml_run):
 
 def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run):
     job, _ = ml_run
-    before = {d: _read(spark, job, d) for d in off.DATASETS}
-    refresh.run(spark, job, ML_CFG)
+    before = {d: read_sorted(job.offline, d, ML_END) for d in off.DATASETS}
+    jobs.run(spark, job, ML_START, ML_END)
     for d, old in before.items():
-        new = _read(spark, job, d)
-        key = [c for c in ("user_id", "item_id") if c in old.columns]
-        a = old.sort_values(key).reset_index(drop=True)
-        b = new.sort_values(key).reset_index(drop=True)
-        assert a.shape == b.shape, d
-        for c in a.columns:
-            assert a[c].map(lambda v: v.tolist() if hasattr(v, "tolist") else v).tolist() == \
-                b[c].map(lambda v: v.tolist() if hasattr(v, "tolist") else v).tolist(), (d, c)
-    assert off.list_intervals(spark, job.offline, "selection") == [ML_END]
+        assert_same_frames(old, read_sorted(job.offline, d, ML_END), d)
+    assert off.list_intervals(job.offline, "selection") == [ML_END]
 
 
 def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):
@@ -175,11 +172,9 @@ def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root
     ev.write_table(pd.DataFrame({"user_id": [3], "item_id": [10_000], "missed_at": [start - pd.Timedelta(minutes=5)]}),
                    tmp_path / "off" / "misses" / "part-0.parquet")
     stats = []
-    from spark_jobs import select_candidates
+    settings = Settings(data=str(synth_root), offline=offline, models=str(synth_models), precompute=cfg)
     for h in range(3):
-        s, e = start + pd.Timedelta(hours=h), start + pd.Timedelta(hours=h + 1)
-        stats.append(select_candidates.run(spark, JobArgs(str(synth_root), offline, str(synth_models),
-                                                          s.isoformat(), e.isoformat()), cfg))
+        stats.append(jobs.select(spark, settings, start + pd.Timedelta(hours=h), start + pd.Timedelta(hours=h + 1)))
     assert [s["exclusion_history_runs"] for s in stats] == [0, 1, 2]
     first = off.read_interval(spark, offline, "selection", start + pd.Timedelta(hours=1)).toPandas()
     miss = first[(first["user_id"] == 3) & (first["item_id"] == 10_000)]
@@ -193,10 +188,102 @@ def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root
     sel3 = off.read_interval(spark, offline, "selection", start + pd.Timedelta(hours=3)).toPandas()
     assert third["pairs_selected"] >= 0.2 * third["pairs_considered"] - sel3["user_id"].nunique()
     # The excluded pairs are exactly the candidates that were bottom in both earlier runs.
-    ends = off.list_intervals(spark, offline, "selection")
+    ends = off.list_intervals(offline, "selection")
     runs = [off.read_interval(spark, offline, "selection", e).toPandas() for e in ends]
     both = set(map(tuple, runs[0].loc[runs[0]["bottom"], ["user_id", "item_id"]].to_numpy())) & \
         set(map(tuple, runs[1].loc[runs[1]["bottom"], ["user_id", "item_id"]].to_numpy()))
     scored_now = set(map(tuple, runs[2][["user_id", "item_id"]].to_numpy()))
     assert not (both & scored_now)
     assert third["pairs_excluded"] <= len(both)
+
+
+def _derived_models(src, out, change):
+    """A copy of the models folder whose FM weights were changed by ``change(fm)``; the AE re-saved as trained on
+    the new FM (its version record), so that the pair resolves; the VM copied."""
+    import shutil
+
+    from models import save_checkpoint
+    out.mkdir(parents=True)
+    fm, fm_meta = load_checkpoint(src / "fm.pt", kind="fm")
+    with torch.no_grad():
+        change(fm)
+    version = save_checkpoint(fm, out / "fm.pt", extra=fm_meta["extra"])
+    ae, ae_meta = load_checkpoint(src / "ae.pt", kind="ae")
+    save_checkpoint(ae, out / "ae.pt", extra={**ae_meta["extra"], "fm_version": version})
+    shutil.copy(src / "vm.pt", out / "vm.pt")
+    return out
+
+
+def test_embed_sets_non_finite_fm_outputs_aside_with_a_count(spark, ml_run, movielens_root, tmp_path):
+    """An FM whose embedding of one item is infinite: every pair whose target or history holds that item has a
+    non-finite output; those pairs are counted and written aside, the rest embedded as usual."""
+    import shutil
+    job, _ = ml_run
+    sel = _read(spark, job, "selection")
+    bad_item = int(sel.loc[sel["selected"], "item_id"].value_counts().index[0])
+    models = _derived_models(Path(job.models), tmp_path / "models",
+                             lambda fm: fm.items.ids.weight[bad_item].fill_(float("inf")))
+    offline = tmp_path / "offline"
+    shutil.copytree(job.offline, offline)
+    s = replace(job, offline=str(offline), models=str(models))
+    stats = jobs.embed(spark, s, ML_START, ML_END)
+    # The reference: which selected pairs the FM, run directly, gives a non-finite h for.
+    fm, _ = load_checkpoint(models / "fm.pt", kind="fm")
+    pairs = sel.loc[sel["selected"], ["user_id", "item_id"]].sort_values(["user_id", "item_id"])
+    n = len(pairs)
+    ex = Examples(EventIndex(ev.read_events(movielens_root)), pairs["user_id"].to_numpy(),
+                  pairs["item_id"].to_numpy(), np.full(n, ML_END.value // 1000), np.full(n, -1.0, np.float32),
+                  np.zeros(n, np.float32), 10)
+    from models import batch_to_tensors
+    with torch.inference_mode():
+        finite = torch.isfinite(fm(batch_to_tensors(ex.batch(np.arange(n))))["h"]).all(1).numpy()
+    assert 0 < (~finite).sum() < n
+    assert stats["rejected"] == {pc.NONFINITE_REASONS[0]: int((~finite).sum())} and stats["pairs"] == finite.sum()
+    rejected = off.read_table(offline, "embedding_rejects", ML_END).to_pandas()
+    assert sorted(map(tuple, rejected[["user_id", "item_id"]].to_numpy())) == \
+        sorted(map(tuple, pairs.loc[~finite].to_numpy()))
+    assert set(rejected["reason"]) == {pc.NONFINITE_REASONS[0]}
+    emb = off.read_table(offline, "pair_embeddings", ML_END).to_pandas()
+    assert len(emb) == finite.sum() and np.isfinite(np.stack(emb["embedding"])).all()
+    # The per-row reason: the first model whose output is not finite.
+    h, code = np.ones((3, 2)), np.ones((3, 2))
+    h[1, 0], code[1, 1], code[2, 0] = np.nan, np.inf, -np.inf
+    assert pc._nonfinite(h, code).tolist() == [-1, 0, 1]
+
+
+def test_models_are_resolved_once_and_an_interval_keeps_its_version(spark, ml_run, tmp_path):
+    """The models folder is a `current` link; it is switched to a new version between an interval's embed and its
+    aggregate and neighbours (a training DAG's publish): those steps keep the version embed used and stamped, and
+    the models resolve with their checks (AE of this FM, history length)."""
+    import shutil
+
+    from solaris_jobs import model_refs
+    job, _ = ml_run
+    reg = tmp_path / "registry"
+    old = Path(job.models)
+    new = _derived_models(old, reg / "versions" / "b", lambda fm: fm.trunk[0].weight.mul_(1.01))
+    (reg / "current").symlink_to(old, target_is_directory=True)
+    offline = tmp_path / "offline"
+    shutil.copytree(job.offline, offline)
+    s = replace(job, offline=str(offline), models=str(reg / "current"))
+    embedded = jobs.embed(spark, s, ML_START, ML_END)
+    (reg / "next").symlink_to(new, target_is_directory=True)
+    (reg / "next").replace(reg / "current")                    # publish: the link now points at version b
+    agg, nb = (jobs.run(spark, s, ML_START, ML_END, (step,))[step] for step in ("aggregate", "neighbours"))
+    old_version = model_refs.resolve(old, ("fm", "ae")).embedding_version
+    assert embedded["model_version"] == agg["model_version"] == nb["model_version"] == old_version
+    assert embedded["models"]["fm"]["path"] == str((old / "fm.pt").resolve())
+    # Same rows as the run that never saw the switch.
+    for d in ("user_aggregates", "user_embeddings", "neighbours"):
+        assert_same_frames(read_sorted(job.offline, d, ML_END), read_sorted(offline, d, ML_END), d)
+    # Resolving now gives version b; its checks name what is wrong.
+    assert model_refs.resolve(reg / "current", ("fm", "ae")).embedding_version != old_version
+    with pytest.raises(ValueError, match="history_len 20 is not the FM's"):
+        model_refs.resolve(reg / "current", ("fm", "ae"), history_len=20)
+    shutil.copy(old / "ae.pt", new / "ae.pt")
+    with pytest.raises(ValueError, match="ae.pt was trained on FM .*, not on"):
+        model_refs.resolve(reg / "current", ("fm", "ae"))
+    # An executor that finds another version at the path it was given fails instead of stamping the wrong one.
+    ref = model_refs.resolve(old, ("fm",)).fm
+    with pytest.raises(RuntimeError, match="now holds .* the file was replaced during the run"):
+        model_refs.load(model_refs.ModelRef("fm", str(new / "fm.pt"), ref.version, ref.config))

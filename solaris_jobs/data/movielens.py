@@ -47,7 +47,8 @@ class RawTables:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SOLARIS_CACHE", Path.home() / ".cache" / "solaris"))
+    from solaris_jobs.settings import cache_dir
+    return cache_dir()
 
 
 def fetch_recbole_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -239,7 +240,7 @@ def build(out: str | os.PathLike, source: str | os.PathLike | None = None,
     Args:
         out: data root to write (events/, users.parquet, items.parquet, rejects/, manifest.json).
         source: a GroupLens folder or a recbole wheel; None fetches (or reuses the cached) recbole wheel.
-        cache_dir: where the wheel is cached (default ``$SOLARIS_CACHE`` or ``~/.cache/solaris``).
+        cache_dir: where the wheel is cached (default ``settings.cache_dir()``: ``~/.cache/solaris``).
 
     Returns:
         The manifest: counts of rows read, written and set aside (by reason), time range.

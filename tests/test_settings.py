@@ -1,0 +1,112 @@
+"""One settings object: built from the environment, JSON or flags the same way, every SOLARIS_* name in one module
+and in the README, and the library's import direction (nothing imports the entry points; no cycles)."""
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from solaris_jobs import settings as st
+from solaris_jobs.settings import PrecomputeConfig, Settings, SimulatorConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = re.compile(r"SOLARIS_[A-Z][A-Z_]*")
+BASE = {"SOLARIS_DATA": "/d", "SOLARIS_OFFLINE": "s3a://bucket/off", "SOLARIS_MODELS": "/m"}
+
+
+def test_settings_from_env_json_and_flags_agree():
+    env = {**BASE, "SOLARIS_EXPIRE_FROM": "write", "SOLARIS_SPARK_MASTER": "local[2]",
+           "SOLARIS_PRECOMPUTE": json.dumps({"lookback_days": None, "active_hours": 48,
+                                             "simulator": {"n_candidates": 60, "n_popular": 30}})}
+    s = Settings.from_env(env)
+    assert s.offline == "s3a://bucket/off" and s.expire_from == "write" and s.precompute.lookback_days is None
+    assert s.precompute.simulator == SimulatorConfig(n_candidates=60, n_popular=30)
+    assert Settings.from_json(s.to_json()) == s and Settings.from_env(s.to_env()) == s
+    # spark-submit drivers get everything but the master, which is spark-submit's own.
+    assert s.for_spark_submit().spark_master is None and s.for_spark_submit().precompute == s.precompute
+    # The flags: 0 days of lookback means the whole log; --candidates N means N with N // 2 popular.
+    flagged = st.apply_flags(Settings.from_env(BASE), {"precompute.lookback_days": 0, "precompute.active_hours": 48.0,
+                                                       "precompute.simulator.n_candidates": 60, "expire_from": "write",
+                                                       "spark_master": "local[2]", "data": None})
+    assert flagged == s
+    with pytest.raises(ValueError, match=r"--settings: precompute.knn_k: Input should be greater"):
+        Settings.from_json(json.dumps({**json.loads(s.to_json()), "precompute": {"knn_k": 0}}))
+    assert st.apply_flags(s, {"precompute.select_share": 0.3}).precompute == PrecomputeConfig(
+        lookback_days=None, active_hours=48, select_share=0.3, simulator=SimulatorConfig(n_candidates=60,
+                                                                                        n_popular=30))
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SOLARIS_PRECOMPUTE": '{"lookback": 3}'}, r"SOLARIS_PRECOMPUTE \(precompute.lookback\): Unexpected"),
+    ({"SOLARIS_PRECOMPUTE": "{oops"}, "SOLARIS_PRECOMPUTE is not JSON"),
+    ({"SOLARIS_PRECOMPUTE": '{"select_share": 0}'}, r"precompute.select_share\): Input should be greater than 0"),
+    ({"SOLARIS_PRECOMPUTE": '{"simulator": {"n_candidates": 10}}'}, r"n_popular \(100\) is more than n_candidates"),
+    ({"SOLARIS_EXPIRE_FROM": "later"}, r"SOLARIS_EXPIRE_FROM \(expire_from\): Input should be 'event' or 'write'"),
+    ({"SOLARIS_MODELS": ""}, r"set SOLARIS_MODELS \(--models\)"),
+])
+def test_bad_settings_name_the_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        Settings.from_env({**BASE, **env})
+
+
+def _py_files(*folders):
+    for folder in folders:
+        yield from (ROOT / folder).rglob("*.py")
+
+
+def test_one_module_names_the_runtime_variables_and_the_readme_lists_them_all():
+    named = {}
+    for path in _py_files("solaris_jobs", "models", "spark_jobs", "feature_repo"):
+        found = set(NAME.findall(path.read_text()))
+        if found:
+            named[str(path.relative_to(ROOT))] = found
+    assert list(named) == ["solaris_jobs/settings.py"], named
+    # DAG files read only their own scheduling settings from the environment.
+    for path in _py_files("dags"):
+        read = set(re.findall(r"os\.environ(?:\.get\(|\[)\"(SOLARIS_[A-Z_]+)\"", path.read_text()))
+        assert read and read <= set(st.DAG_ENV), (path.name, read - set(st.DAG_ENV))
+        assert set(NAME.findall(path.read_text())) <= st.all_env_names(), path.name
+    readme = set(NAME.findall((ROOT / "README.md").read_text()))
+    assert st.all_env_names() <= readme, sorted(st.all_env_names() - readme)
+    assert readme - {"SOLARIS_TTL_"} <= st.all_env_names(), sorted(readme - st.all_env_names())
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_the_library_does_not_import_its_entry_points_and_has_no_import_cycles():
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in _py_files("solaris_jobs", "models")}
+    for name, path in modules.items():
+        if name == "solaris_jobs.cli":
+            continue
+        bad = {m for m in _imports(path, False) if m.split(".")[0] in ("spark_jobs", "dags")
+               or m.startswith("solaris_jobs.cli")}
+        assert not bad, (name, bad)
+    # Module-level imports between our modules form no cycle (lazy imports inside functions are the way out).
+    graph = {n: {m for m in _imports(p, True) if m in modules and m != n} for n, p in modules.items()}
+    seen, stack = set(), []
+
+    def visit(n):
+        if n in stack:
+            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(n):] + [n])}")
+        if n in seen:
+            return
+        stack.append(n)
+        for m in graph[n]:
+            visit(m)
+        stack.pop()
+        seen.add(n)
+    for n in graph:
+        visit(n)
