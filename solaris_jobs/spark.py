@@ -32,26 +32,34 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
+    # Session settings: what a Spark Connect server's sessions take too.
+    sql = {
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # Many small shuffle partitions, coalesced by adaptive execution: less memory per task at scale.
+        "spark.sql.shuffle.partitions": "32",
+        "spark.sql.adaptive.enabled": "true",
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    }
     if master and master.startswith("sc://"):
+        # A Spark Connect client: the session is the server's; SOLARIS's jobs need no JVM on this side. (Spark
+        # Connect mode holds for the whole Python process: no classic session may exist in it.)
         builder = SparkSession.builder.remote(master).appName(app_name)
-        for k, v in {"spark.sql.session.timeZone": "UTC", **(conf or {})}.items():
+        for k, v in {**sql, **(conf or {})}.items():
             builder = builder.config(k, v)
-        return builder.getOrCreate()
+        spark = builder.getOrCreate()
+        logger.info("Spark Connect session at %s (Spark %s)", master, spark.version)
+        return spark
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
     elif not SparkSession.getActiveSession() and "spark.master" not in os.environ.get("SPARK_CONF", ""):
         builder = builder.master(os.environ.get("MASTER", "local[*]"))
     settings = {
-        "spark.sql.session.timeZone": "UTC",
-        "spark.sql.execution.arrow.pyspark.enabled": "true",
-        # Many small shuffle partitions, coalesced by adaptive execution: less memory per task at scale.
-        "spark.sql.shuffle.partitions": "32",
-        "spark.sql.adaptive.enabled": "true",
+        **sql,
         # In local mode the driver is also the executor; ignored when the JVM is already running.
         "spark.driver.memory": driver_memory,
         "spark.ui.showConsoleProgress": "false",
-        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
         **(conf or {}),
     }
     for k, v in settings.items():

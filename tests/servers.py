@@ -95,6 +95,38 @@ class SparkStandalone:
             stop(p)
 
 
+class SparkConnectServer:
+    """A Spark Connect server (``local[2]``) on 127.0.0.1 and a free port: what a client with ``--master
+    sc://...`` talks to. Spark Connect mode holds for a whole Python process, so clients run in subprocesses."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "connect.log"
+        submit = str(Path(sys.executable).parent / "spark-submit")
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        self.proc = subprocess.Popen(
+            [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[2]",
+             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+             "--conf", f"spark.connect.grpc.binding.port={self.port}", "--conf", "spark.ui.enabled=false",
+             "--conf", "spark.driver.host=127.0.0.1", "--driver-memory", "2g", "spark-internal"],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _wait_for(lambda: "Spark Connect server started" in log.read_text() or self.proc.poll() is not None, 120,
+                  "Spark Connect server", log)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"Spark Connect server exited:\n{log.read_text()[-3000:]}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            stop(self.proc)
+
+
 class RedisServer:
     """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test."""
 

@@ -137,13 +137,20 @@ def test_user_aggregates_and_neighbours_equal_pandas(spark, ml_run):
         assert row["n_neighbours"] == len(w) and user not in row["neighbour_ids"]
 
 
-def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run):
+def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run, movielens_root):
+    """A rerun replaces the interval's outputs with identical ones, also when the events come from the whole log
+    read once into memory (a replay's injected event source: events after T must not leak in) and time from an
+    injected clock (only the timestamps written beside the outputs follow it)."""
     job, _ = ml_run
     before = {d: read_sorted(job.offline, d, ML_END) for d in off.DATASETS}
-    jobs.run(spark, job, ML_START, ML_END)
+    whole_log = ev.read_events(movielens_root)
+    assert whole_log.num_rows == 100_000
+    clock = pd.Timestamp("2031-05-05T05:05:05Z")
+    jobs.run(spark, job, ML_START, ML_END, events=whole_log, clock=lambda: clock)
     for d, old in before.items():
         assert_same_frames(old, read_sorted(job.offline, d, ML_END), d)
     assert off.list_intervals(job.offline, "selection") == [ML_END]
+    assert off.read_stats(job.offline, "neighbours", ML_END)["written_at"] == clock.isoformat()
 
 
 def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):

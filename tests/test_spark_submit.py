@@ -1,9 +1,13 @@
-"""The refresh jobs under spark-submit against a Spark standalone master and worker started on loopback."""
+"""The refresh jobs outside the test's own Spark session: under spark-submit against a Spark standalone master and
+worker started on loopback, and through a Spark Connect server."""
 import json
+import subprocess
+import sys
+from dataclasses import replace
 
 from tests.conftest import ML_END, ML_START
 from tests.outputs import assert_same_outputs
-from tests.servers import SparkStandalone
+from tests.servers import SparkConnectServer, SparkStandalone
 
 
 def test_refresh_under_spark_submit_matches_in_process(ml_run, tmp_path):
@@ -24,3 +28,21 @@ def test_refresh_under_spark_submit_matches_in_process(ml_run, tmp_path):
     assert printed["embed"]["pairs"] == stats["embed"]["pairs"]
     counts = assert_same_outputs(s.offline, offline, ML_END, rtol=1e-5, atol=1e-6)
     assert counts["pair_embeddings"] == stats["embed"]["pairs"] > 0
+
+
+def test_refresh_through_spark_connect_matches_in_process(ml_run, tmp_path):
+    """`solaris refresh --master sc://...`: the same settings (--settings) and the same rows as in-process, through a
+    Spark Connect server; the jobs and the offline layout need no JVM on the client's side (no spark._jvm)."""
+    s, stats = ml_run
+    offline = tmp_path / "offline"
+    with SparkConnectServer(tmp_path / "connect") as server:
+        res = subprocess.run([sys.executable, "-m", "solaris_jobs.cli", "refresh",
+                              "--settings", replace(s, offline=str(offline)).to_json(), "--master", server.url,
+                              "--start", ML_START.isoformat(), "--end", ML_END.isoformat()],
+                             capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout)
+    assert out["embed"]["pairs"] == stats["embed"]["pairs"]
+    assert f"Spark Connect session at {server.url}" in res.stderr
+    counts = assert_same_outputs(s.offline, offline, ML_END, rtol=1e-5, atol=1e-6)
+    assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
