@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--active-hours", type=float, default=24)
     ap.add_argument("--lookback-days", type=float, default=30)
     ap.add_argument("--candidates", type=int, default=200)
-    ap.add_argument("--history-len", type=int, default=50)
+    ap.add_argument("--history-len", type=int, default=None, help="default: the FM's")
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--intervals", type=int, default=1, help="Consecutive hourly intervals ending at --end.")
     args = ap.parse_args()
@@ -124,7 +124,9 @@ def main() -> None:
         selected = off.read_interval(spark, offline, "selection", end).where("selected") \
             .select("user_id", "item_id").toPandas()
         spark.stop()
-    ref = torch_reference(args.data, args.models, selected, end, args.history_len, args.batch_size)
+    from solaris_jobs import model_refs
+    L = model_refs.resolve(args.models, ("fm",), args.history_len).history_len
+    ref = torch_reference(args.data, args.models, selected, end, L, args.batch_size)
     print(f"plain torch loop, same {ref['pairs']} pairs: read+index {ref['read_and_index_seconds']} s, FM+AE "
           f"{ref['fm_seconds']} s = {ref['fm_pairs_per_s']} pairs/s ({ref['torch_threads']} threads)")
     print(f"peak RSS of the process tree over the run: {mem.peak / 2**20:.0f} MB")

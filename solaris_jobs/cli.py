@@ -15,10 +15,8 @@ def _setup_logging(level: str) -> None:
 
 
 def _env_log_level() -> str:
-    import os
-
-    from solaris_jobs.settings import env_var
-    return os.environ.get(env_var("log_level")) or "INFO"
+    from solaris_jobs.settings import env_log_level
+    return env_log_level()
 
 
 def _echo_json(obj) -> None:
@@ -217,7 +215,9 @@ def _settings_options(f):
 
 
 def _settings(kw: dict):
-    """Settings from --settings (else the environment), then the flags; pops the flag arguments from ``kw``."""
+    """Settings from --settings (else the environment), then the flags; pops the flag arguments from ``kw``.
+    Under spark-submit (``spark_submit_main``) the master is spark-submit's unless --master is given; the log level
+    is the settings' unless --log-level is."""
     from solaris_jobs.settings import Settings, apply_flags
     raw = kw.pop("settings_json")
     flags = {k[len("_flag_"):].replace("__", "."): kw.pop(k) for k in list(kw) if k.startswith("_flag_")}
@@ -226,7 +226,13 @@ def _settings(kw: dict):
         s = Settings.from_json(text)
     else:
         s = Settings.from_env(require=False)
-    return apply_flags(s, flags).require()
+    root = click.get_current_context().find_root()
+    if (root.obj or {}).get("spark_submit") and flags.get("spark_master") is None:
+        s = s.for_spark_submit()
+    s = apply_flags(s, flags).require()
+    if root.get_parameter_source("log_level") != click.core.ParameterSource.COMMANDLINE:
+        logging.getLogger().setLevel(s.log_level)
+    return s
 
 
 def _write_stats(path, out) -> None:
@@ -403,7 +409,7 @@ def misses_drain(offline, feature_repo) -> None:
 
 def spark_submit_main(command: str) -> None:
     """What ``spark_jobs/<script>.py`` runs under spark-submit: ``solaris <command>`` with the script's arguments."""
-    main([command, *sys.argv[1:]], prog_name=sys.argv[0])
+    main([command, *sys.argv[1:]], prog_name=sys.argv[0], obj={"spark_submit": True})
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class EventTable:
         if hasattr(events, "sparkSession"):
             self._df = events.select(*ev.EVENT_SCHEMA.names)
         else:
-            self._arrow = ev.conform(events, name)
+            self._arrow = ev.conform(events, name, allow_nulls=True)
 
     def describe(self) -> str:
         return self.name
@@ -59,9 +59,15 @@ class EventTable:
             df = df.where(F.col("event_timestamp") < F.lit(ev.to_utc(end).to_pydatetime()))
         return df
 
+    def unpersist(self) -> None:
+        """Drops the cached Spark copy of an Arrow table (a replay calls this when it is done)."""
+        if self._df is not None and self._arrow is not None:
+            self._df.unpersist()
+            self._df = None
+
     def table(self, start=None, end=None, columns: list[str] | None = None) -> pa.Table:
         if self._arrow is None:
-            t = ev.conform(self.spark(None, start, end).toArrow(), self.name)
+            t = ev.conform(self.spark(None, start, end).toArrow(), self.name, allow_nulls=True)
         else:
             t = self._arrow
             ts = ev.EVENT_SCHEMA.field("event_timestamp").type

@@ -72,18 +72,21 @@ def to_utc(ts: str | dt.datetime | pd.Timestamp) -> pd.Timestamp:
     return t.tz_localize("UTC") if t.tzinfo is None else t.tz_convert("UTC")
 
 
-def conform(table: pa.Table | pd.DataFrame, source: str = "<table>") -> pa.Table:
+def conform(table: pa.Table | pd.DataFrame, source: str = "<table>", allow_nulls: bool = False) -> pa.Table:
     """Casts a table to EVENT_SCHEMA, adding absent optional columns as nulls.
 
     Args:
         table: rows with at least ``user_id``, ``item_id`` and ``event_timestamp``.
         source: name used in error messages.
+        allow_nulls: keep rows with nulls in required columns (as a log read from disk may hold them: the refresh
+            counts and sets them aside); the schema then marks every column nullable.
 
     Returns:
         A table with exactly the EVENT_SCHEMA columns, in order.
 
     Raises:
-        DataContractError: a required column is missing or has nulls, or a column does not cast.
+        DataContractError: a required column is missing or (unless ``allow_nulls``) has nulls, or a column does not
+            cast.
     """
     if isinstance(table, pd.DataFrame):
         table = pa.Table.from_pandas(table, preserve_index=False)
@@ -96,7 +99,7 @@ def conform(table: pa.Table | pd.DataFrame, source: str = "<table>") -> pa.Table
             columns.append(pa.nulls(table.num_rows, field.type))
             continue
         col = table.column(field.name)
-        if not field.nullable and col.null_count:
+        if not field.nullable and col.null_count and not allow_nulls:
             raise DataContractError(f"{source}: column {field.name!r} has {col.null_count} null values")
         try:
             if pa.types.is_timestamp(col.type) and col.type.tz is None:
@@ -105,7 +108,8 @@ def conform(table: pa.Table | pd.DataFrame, source: str = "<table>") -> pa.Table
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
             raise DataContractError(f"{source}: column {field.name!r} of type {col.type} does not cast to "
                                     f"{field.type}: {e}") from e
-    return pa.Table.from_arrays(columns, schema=EVENT_SCHEMA)
+    schema = pa.schema([f.with_nullable(True) for f in EVENT_SCHEMA]) if allow_nulls else EVENT_SCHEMA
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def write_events(table: pa.Table, root: str | os.PathLike, part: str = "part-00000") -> int:

@@ -104,8 +104,8 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     misses = off.read_misses(spark, s.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
     users = pc.active_users(prior, T, cfg.active_hours, misses).cache()
     cands = pc.candidate_pairs(prior, users, T, cfg.simulator).cache()
-    past = [e for e in off.list_intervals(s.offline, "selection") if e < T][-cfg.exclusion_runs:] \
-        if cfg.exclusion_runs else []
+    past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
+        else []
     bottoms = None
     if len(past) == cfg.exclusion_runs and past:
         bottoms = off.read_intervals(spark, s.offline, "selection", past).where("bottom") \
@@ -184,7 +184,8 @@ def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock
     models = models if models is not None and models.fm is not None else _models_of_interval(s, T)
     version = models.embedding_version
     window = pd.Timedelta(hours=s.precompute.aggregate_hours)
-    ends = [e for e in off.list_intervals(s.offline, "pair_embeddings") if T - window < e <= T]
+    ends = [e for e in off.list_intervals(s.offline, "pair_embeddings", since=T - window, before=T + pd.Timedelta(1))
+            if e > T - window]
     if T not in ends:
         raise FileNotFoundError(f"no pair embeddings for the interval ending {T}: run embed first")
     agg = pc.user_aggregates(off.read_intervals(spark, s.offline, "pair_embeddings", ends), T,

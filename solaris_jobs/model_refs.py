@@ -66,6 +66,14 @@ def resolve_device(name: str = "auto"):
     return torch.device(name)
 
 
+def check_ae_of_fm(fm_meta: dict, ae_meta: dict, fm_path, ae_path) -> None:
+    """Raises ValueError unless the autoencoder was trained on this FM (its checkpoint records the FM version)."""
+    trained_on = ae_meta.get("extra", {}).get("fm_version")
+    if trained_on != fm_meta["model_version"]:
+        raise ValueError(f"{ae_path} was trained on FM {trained_on}, not on {fm_meta['model_version']} ({fm_path}): "
+                         f"retrain it, or point the models folder at a matching pair")
+
+
 def _ref(folder: Path, kind: str) -> tuple[ModelRef, dict]:
     from models import load_checkpoint
     path = folder / f"{kind}.pt"
@@ -91,10 +99,7 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     for kind in kinds:
         refs[kind], metas[kind] = _ref(folder, kind)
     if "ae" in refs and "fm" in refs:
-        trained_on = metas["ae"].get("extra", {}).get("fm_version")
-        if trained_on != refs["fm"].version:
-            raise ValueError(f"{refs['ae'].path} was trained on FM {trained_on}, not on {refs['fm'].version} "
-                             f"({refs['fm'].path}): retrain it, or point the models folder at a matching pair")
+        check_ae_of_fm(metas["fm"], metas["ae"], refs["fm"].path, refs["ae"].path)
     out = ModelSet(**refs)
     if out.fm is not None:
         out.check_history_len(history_len)

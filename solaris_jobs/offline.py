@@ -1,23 +1,26 @@
 """The offline store's layout, in one place: interval keys, paths, completeness, atomic publication, and the
 readers and writers every step uses (Spark jobs, the materializer, the report, the miss drain, the demo).
 
-Layout (``offline`` is any URI the jobs take: a path, ``file://``, ``s3a://`` (read as ``s3://`` outside
-Spark), ``gs://``, ``hdfs://``)::
+Layout (``offline`` is a URI pyarrow opens and Spark writes: a path, ``file://``, ``s3a://`` (opened as
+``s3://`` outside Spark, with the standard AWS settings: credentials, ``AWS_ENDPOINT_URL``), ``gs://``,
+``hdfs://`` (needs libhdfs)), one folder per interval end::
 
-    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/_PUBLISHED               {"run": "<id>", ...}: the output readers see
-    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/run=<id>/part-*.parquet, _SUCCESS, _stats.json
+    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/_PUBLISHED.<seq>.<id>       {"run": "<id>", ...}: the newest one counts
+    <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/run-<id>/part-*.parquet, _SUCCESS, _stats.json
     <offline>/misses/*.parquet                                           serving misses (user_id, item_id, missed_at)
     <offline>/reports/end=YYYYMMDDTHHMMSSZ/report.json
 
 A write goes to a fresh folder (``<dataset>/_staging/<end key>-<id>``, hidden from readers of the whole dataset,
-renamed to ``run=<id>`` on file systems that rename folders: local, HDFS; straight into ``run=<id>`` on object
-stores), then ``_PUBLISHED`` is replaced atomically to
-point at it, then the interval's other runs are deleted. So a reader that follows ``_PUBLISHED`` sees the old
-whole output or the new whole output, never a half one, and a write that dies before its publish leaves the old
-output in place (its unpublished folder is removed by the next write of that interval). Nothing here goes
-through Spark's JVM (``spark._jvm``): a Spark Connect session works, and so do the steps outside Spark (pyarrow's
-file systems). Outputs written by earlier versions (``end=.../part-*.parquet`` with ``_SUCCESS``, no
-``_PUBLISHED``) are still read.
+renamed to ``run-<id>`` on file systems that rename folders: local, HDFS; straight into ``run-<id>`` on object
+stores). Then a new pointer file names it, with a sequence number above the older ones (a new name each time:
+creating a file is atomic where replacing one is not), and then the older pointers and runs are removed. A reader
+follows the newest pointer, so it sees the old whole output or the new whole output, never a half one; a write
+that dies before its pointer leaves the old output in place (its unpublished folder is removed by a later write
+of the interval once it is ``ORPHAN_AGE`` old, so that a concurrent writer's folder is never taken). A reader
+that resolved the old run while the new one was published may find its files gone: it fails, and reads again,
+never a mix. Nothing here goes through Spark's JVM (``spark._jvm``): a Spark Connect session works, and so do
+the steps outside Spark (pyarrow's file systems). Outputs written by earlier versions (``end=.../part-*.parquet``
+with ``_SUCCESS``, no pointer) are still read.
 
 Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection``, ``pair_embeddings``,
 ``embedding_rejects`` (pairs whose FM output was not finite, with a ``reason``), ``user_aggregates``,
@@ -40,7 +43,7 @@ logger = logging.getLogger(__name__)
 DATASETS = ("rejects", "selection", "pair_embeddings", "embedding_rejects", "user_aggregates", "user_embeddings",
             "neighbours")
 POINTER = "_PUBLISHED"
-RUN = "run="
+RUN = "run-"                # not key=value: plain directory readers do not make it a column (selection has a `run`)
 STAGING = "_staging"
 
 
@@ -65,7 +68,7 @@ def dataset_uri(offline, dataset: str) -> str:
 
 
 def interval_uri(offline, dataset: str, end) -> str:
-    """The interval's folder (holding ``_PUBLISHED`` and its runs)."""
+    """The interval's folder (holding its pointers and runs)."""
     return join(offline, dataset, interval_key(end))
 
 
@@ -84,8 +87,10 @@ def filesystem(uri) -> tuple[pafs.FileSystem, str]:
         ValueError: a scheme pyarrow cannot open here (the message names it).
     """
     s = str(uri)
-    if "://" not in s:
+    if "://" not in s and not s.startswith("file:"):
         return pafs.LocalFileSystem(), os.path.abspath(s)
+    if s.startswith("file:") and not s.startswith("file://"):
+        s = "file://" + s[len("file:"):]                    # Hadoop's file:/abs
     scheme, rest = s.split("://", 1)
     if scheme == "file":
         return pafs.LocalFileSystem(), rest
@@ -134,14 +139,26 @@ def read_json(uri) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------ publication
 
+def _pointers(fs: pafs.FileSystem, folder: str) -> list[tuple[int, str, str]]:
+    """(sequence, run, path) of an interval folder's pointer files, newest last."""
+    out = []
+    for info in fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True)):
+        parts = info.base_name.split(".")
+        if info.type == pafs.FileType.File and len(parts) == 3 and parts[0] == POINTER and parts[1].isdigit():
+            out.append((int(parts[1]), parts[2], info.path))
+    return sorted(out)
+
+
 def published(offline, dataset: str, end) -> str | None:
     """The folder of the interval's published output (None: the interval has no complete output)."""
     folder = interval_uri(offline, dataset, end)
-    pointer = read_json(join(folder, POINTER))
-    if pointer is not None:
-        return join(folder, RUN + pointer["run"])
     fs, path = filesystem(folder)
-    return folder if _exists(fs, f"{path}/_SUCCESS") else None         # written before _PUBLISHED existed
+    pointers = _pointers(fs, path)
+    if pointers:
+        run = join(folder, RUN + pointers[-1][1])
+        # A pointer to a run that is gone (removed by hand, or by another writer) is no output, not an empty one.
+        return run if _exists(fs, f"{filesystem(run)[1]}/_SUCCESS") else None
+    return folder if _exists(fs, f"{path}/_SUCCESS") else None         # written before pointers existed
 
 
 def is_complete(offline, dataset: str, end) -> bool:
@@ -161,17 +178,33 @@ def require(offline, dataset: str, end) -> str:
     return path
 
 
-def list_intervals(offline, dataset: str) -> list[pd.Timestamp]:
-    """Ends of the intervals of ``dataset`` with a complete output, oldest first."""
+def list_intervals(offline, dataset: str, since=None, before=None, last: int | None = None) -> list[pd.Timestamp]:
+    """Ends of the intervals of ``dataset`` with a complete output, oldest first.
+
+    Args:
+        since, before: only ends with ``since <= end < before`` (None: no bound), filtered before anything is read.
+        last: only the newest ``last`` complete ones (checked newest first, so older ones are not read).
+    """
     fs, base = filesystem(dataset_uri(offline, dataset))
     infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-    ends = [parse_key(i.base_name) for i in infos
-            if i.type == pafs.FileType.Directory and i.base_name.startswith("end=")]
-    return sorted(e for e in ends if is_complete(offline, dataset, e))
+    ends = sorted(parse_key(i.base_name) for i in infos
+                  if i.type == pafs.FileType.Directory and i.base_name.startswith("end="))
+    ends = [e for e in ends if (since is None or e >= since) and (before is None or e < before)]
+    out = []
+    for e in reversed(ends):
+        if last is not None and len(out) >= last:
+            break
+        if is_complete(offline, dataset, e):
+            out.append(e)
+    return out[::-1]
 
 
 def _renames_folders(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, (pafs.LocalFileSystem, pafs.HadoopFileSystem))
+
+
+class PublishError(RuntimeError):
+    """A staged output cannot be published (its data is gone)."""
 
 
 @dataclass
@@ -184,25 +217,36 @@ class Staged:
     path: str                   # where the data is now
 
     def publish(self, stats: dict | None = None, published_at=None) -> str:
-        """Writes ``_stats.json`` beside the data, makes this run the interval's output, drops the others.
+        """Writes ``_stats.json`` beside the data, makes this run the interval's output (a new pointer file whose
+        sequence number is above every earlier one), then removes the older pointers and runs.
 
         Returns:
             The published folder.
+
+        Raises:
+            PublishError: the staged data is not there (complete) any more; nothing was published.
         """
+        fs, staged = filesystem(self.path)
+        if not _exists(fs, f"{staged}/_SUCCESS"):
+            raise PublishError(f"{self.path}: the staged {self.dataset} output is gone or incomplete (removed by "
+                               f"another writer of this interval?); nothing published, the earlier output stays")
         if stats is not None:
             write_json(join(self.path, "_stats.json"), stats)
         folder = interval_uri(self.offline, self.dataset, self.end)
         final = join(folder, RUN + self.run)
-        fs, _ = filesystem(folder)
+        _, fpath = filesystem(folder)
         if self.path != final:
-            fs.create_dir(filesystem(folder)[1], recursive=True)
-            fs.move(filesystem(self.path)[1], filesystem(final)[1])
+            fs.create_dir(fpath, recursive=True)
+            fs.move(staged, filesystem(final)[1])
         _before_publish(final)
-        write_json(join(folder, POINTER), {"run": self.run, "published_at": pd.Timestamp(
+        earlier = _pointers(fs, fpath)
+        seq = earlier[-1][0] + 1 if earlier else 1
+        # A new name every time: a rename onto a name that does not exist yet is atomic on every file system
+        # (replacing a file is not, on HDFS through pyarrow).
+        write_json(join(folder, f"{POINTER}.{seq:010d}.{self.run}"), {"run": self.run, "published_at": pd.Timestamp(
             published_at if published_at is not None else pd.Timestamp.now(tz="UTC")).isoformat()})
-        _drop_others(fs, filesystem(folder)[1], self.run)
-        _drop_stale_staging(fs, filesystem(join(dataset_uri(self.offline, self.dataset), STAGING))[1],
-                            interval_key(self.end))
+        _clean(fs, fpath, self.run, {run for _, run, _ in earlier},
+               filesystem(join(dataset_uri(self.offline, self.dataset), STAGING))[1], interval_key(self.end))
         logger.info("published %s", final)
         return final
 
@@ -211,28 +255,34 @@ def _before_publish(path: str) -> None:
     """A seam for the fault-injection test (a process killed between its data and its publish)."""
 
 
-def _drop_stale_staging(fs: pafs.FileSystem, staging: str, key: str) -> None:
-    """Removes staging folders of the interval that writers killed before their publish left behind."""
-    for info in fs.get_file_info(pafs.FileSelector(staging, allow_not_found=True)):
-        if info.type == pafs.FileType.Directory and info.base_name.startswith(key + "-"):
-            try:
-                fs.delete_dir(info.path)
-            except (FileNotFoundError, OSError) as e:
-                logger.debug("could not remove %s: %s", info.path, e)
+ORPHAN_AGE = pd.Timedelta(hours=6)      # unpublished folders younger than this may be another writer's, in progress
 
 
-def _drop_others(fs: pafs.FileSystem, folder: str, keep: str) -> None:
-    """Removes the interval's other runs and the files of the pre-``_PUBLISHED`` layout."""
+def _clean(fs: pafs.FileSystem, folder: str, keep: str, superseded: set, staging: str, key: str) -> None:
+    """After a publish: removes the older pointers, the runs they named, files of the pre-pointer layout, and
+    unpublished runs and staging folders of this interval older than ``ORPHAN_AGE`` (left by killed writers)."""
+    old = pd.Timestamp.now(tz="UTC") - ORPHAN_AGE
+
+    def orphan(info) -> bool:
+        from solaris_jobs.events import to_utc
+        return info.mtime is not None and to_utc(info.mtime) < old
+
+    doomed = []
     for info in fs.get_file_info(pafs.FileSelector(folder)):
         name = info.base_name
-        if name == POINTER or name == RUN + keep:
-            continue
+        if info.type == pafs.FileType.File:
+            parts = name.split(".")
+            if (parts[0] == POINTER and len(parts) == 3 and parts[2] != keep) or name.startswith("part-") \
+                    or name in ("_SUCCESS", "_stats.json"):
+                doomed.append((info, False))
+        elif name.startswith(RUN) and name != RUN + keep and (name[len(RUN):] in superseded or orphan(info)):
+            doomed.append((info, True))
+    for info in fs.get_file_info(pafs.FileSelector(staging, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(key + "-") and orphan(info):
+            doomed.append((info, True))
+    for info, is_dir in doomed:
         try:
-            if info.type == pafs.FileType.Directory and name.startswith(RUN):
-                fs.delete_dir(info.path)
-            elif info.type == pafs.FileType.File and (name.startswith("part-") or name in ("_SUCCESS",
-                                                                                             "_stats.json")):
-                fs.delete_file(info.path)
+            fs.delete_dir(info.path) if is_dir else fs.delete_file(info.path)
         except (FileNotFoundError, OSError) as e:       # another process removed it first: nothing to do
             logger.debug("could not remove %s: %s", info.path, e)
 

@@ -132,7 +132,8 @@ def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, mod
 
     Args:
         spark: a session to reuse for the Spark steps (None: ``jobs.session(s)``).
-        events, models, clock: see ``solaris_jobs.jobs``.
+        events, models, clock: see ``solaris_jobs.jobs``; pass an ``event_source.EventTable`` to share one cached
+            Spark copy of events in memory across calls.
     """
     start, end = interval(start, end)
     if step in SPARK_STEPS:
@@ -197,6 +198,7 @@ def backfill(s: Settings, start, end, every="1h", force: bool = False, progress:
         "seconds": {step: s}}.
     """
     session = []
+    events = event_source(events) if events is not None else None        # one cached copy for every interval
 
     def one(a, b):
         steps, secs = {}, {}

@@ -286,11 +286,11 @@ def _examples(pdf: pd.DataFrame, at_us: int, history_len: int):
                             history_len)
 
 
-def _nonfinite(*arrays) -> np.ndarray:
-    """Per row, the index of the first array whose row has a NaN or infinity, else -1."""
-    out = np.full(len(arrays[0]), -1, np.int64)
-    for k, a in reversed(list(enumerate(arrays))):
-        out[~np.isfinite(a).all(1)] = k
+def _nonfinite(*finite) -> np.ndarray:
+    """Per row, the index of the first of the (N,) "row is finite" masks that is False, else -1."""
+    out = np.full(len(finite[0]), -1, np.int64)
+    for k, ok in reversed(list(enumerate(finite))):
+        out[~np.asarray(ok)] = k
     return out
 
 
@@ -333,11 +333,12 @@ def embed_pairs(pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
                 b.update({c: part[c].to_numpy(np.float32) for c in COUNTER_COLS})
                 with torch.inference_mode():
                     h = fm(batch_to_tensors(b, dev))["h"]
-                    code = ae.encode(h).float().cpu().numpy()
-                    h = h.float().cpu().numpy()
+                    code = ae.encode(h)
+                    finite = (torch.isfinite(h).all(1).cpu().numpy(), torch.isfinite(code).all(1).cpu().numpy())
+                    code = code.float().cpu().numpy()
                 yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "item_id": part["item_id"].to_numpy(),
                                     "embedding": list(code), "event_timestamp": at, "model_version": version,
-                                    "reject_reason": reasons[_nonfinite(h, code)]})
+                                    "reject_reason": reasons[_nonfinite(*finite)]})
 
     return pairs.mapInPandas(embed, schema)
 
@@ -364,7 +365,7 @@ def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig)
                 with torch.inference_mode():
                     vec = model.user_embedding(batch_to_tensors(b, dev)).float().cpu().numpy()
                 yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "vector": list(vec),
-                                    "reject_reason": reasons[_nonfinite(vec)]})
+                                    "reject_reason": reasons[_nonfinite(np.isfinite(vec).all(1))]})
 
     return users_with_history.mapInPandas(embed, schema)
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,18 @@ class Settings:
     spark_master: str | None = None
     spark_driver_memory: str = "4g"
     spark_log_level: str = "WARN"
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("log_level", "spark_log_level", mode="before")
+    @classmethod
+    def _upper(cls, v):
+        return v.upper() if isinstance(v, str) else v
+
+    @field_validator("data", "offline", "models")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        """Local paths made absolute once, here: Spark, pyarrow and a spark-submit driver elsewhere then agree."""
+        return os.path.abspath(v) if v and "://" not in v and not v.startswith("file:") else v
 
     @classmethod
     def from_env(cls, env=None, require: bool = True, **overrides) -> "Settings":
@@ -314,6 +325,12 @@ def env_var(field: str) -> str:
     return _VAR[field]
 
 
+def env_log_level(env=None) -> str:
+    """SOLARIS's log level from the environment alone (for a process before its settings are built)."""
+    env = os.environ if env is None else env
+    return (env.get("SOLARIS_LOG_LEVEL") or Settings().log_level).upper()
+
+
 # ------------------------------------------------------------------------------------------------ training
 
 TRAIN_DEFAULTS = {"epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2,
@@ -378,14 +395,14 @@ def cache_dir(env=None) -> Path:
 
 # Read by the DAG files themselves at parse time (scheduling and task placement); listed here for the README and
 # for the demo, which sets some of them (``dag_env``).
-DAG_ENV = {
-    "SOLARIS_REFRESH_CRON": "refresh schedule (default hourly, `0 * * * *`)",
-    "SOLARIS_TRAIN_CRON": "training schedule (default weekly, `0 3 * * 0`; `none`: on demand)",
-    "SOLARIS_START_DATE": "first interval (default 2026-01-01T00:00:00+00:00)",
-    "SOLARIS_END_DATE": "last interval end (default none)",
-    "SOLARIS_CATCHUP": "run missed intervals on start (default false)",
-    "SOLARIS_RETRIES": "task retries (refresh 2, training 1)",
-    "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off (default 5)",
+DAG_ENV = {          # their defaults are in the DAG files (and the README)
+    "SOLARIS_REFRESH_CRON": "refresh schedule",
+    "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
+    "SOLARIS_START_DATE": "first interval",
+    "SOLARIS_END_DATE": "last interval end",
+    "SOLARIS_CATCHUP": "run missed intervals on start",
+    "SOLARIS_RETRIES": "task retries",
+    "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off",
     "SOLARIS_SPARK_CONN_ID": "when set, the four Spark steps become SparkSubmitOperators on that connection",
     "SOLARIS_FM_QUEUE": "Celery queue of the FM task (GPU workers)",
     "SOLARIS_FM_POOL": "pool of the FM task",

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None, *,
-                  driver_memory: str = "4g", log_level: str = "WARN"):
+                  driver_memory: str | None = None, log_level: str | None = None):
     """Returns a SparkSession (creating one if needed) configured for SOLARIS jobs.
 
     Args:
@@ -24,8 +24,12 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
             existing session's or spark-submit's master, else ``local[*]``.
         conf: extra Spark settings.
         driver_memory: heap of a local driver (in local mode also the executors'); ignored when the JVM runs.
-        log_level: Spark's log level (classic sessions).
+            None: the Settings default.
+        log_level: Spark's log level (classic sessions); None: the Settings default.
     """
+    from solaris_jobs.settings import default_of
+    driver_memory = driver_memory or default_of("spark_driver_memory")
+    log_level = log_level or default_of("spark_log_level")
     # Python workers must run the interpreter that has the project's packages.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -65,7 +69,9 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     for k, v in settings.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel(log_level)
+    from pyspark.sql.utils import is_remote
+    if not is_remote():                  # SPARK_REMOTE in the environment makes even this a Connect session
+        spark.sparkContext.setLogLevel(log_level)
     return spark
 
 

@@ -23,6 +23,7 @@ from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, VMConfig, 
 from models.vm import TIERS
 from solaris_jobs import events as ev
 from solaris_jobs.features import EventIndex, Examples, side_tables, time_split
+from solaris_jobs.model_refs import check_ae_of_fm, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +96,6 @@ def _sample(mask: np.ndarray, n: int, rng) -> np.ndarray:
     out = np.zeros_like(mask)
     out[keep] = True
     return out
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -298,9 +293,7 @@ def attach_fm_features(data: Dataset, fm_path, ae_path=None, kd: bool = False, c
     ae = None
     if not kd:
         ae, ae_meta = load_checkpoint(ae_path, kind="ae")
-        if ae_meta["extra"].get("fm_version") != fm_meta["model_version"]:
-            raise ValueError(f"{ae_path} was trained on FM {ae_meta['extra'].get('fm_version')}, "
-                             f"not {fm_meta['model_version']} ({fm_path})")
+        check_ae_of_fm(fm_meta, ae_meta, fm_path, ae_path)
         versions["ae_version"] = ae_meta["model_version"]
     rng = np.random.default_rng(seed)
     for split in (data.train, data.valid, data.test):

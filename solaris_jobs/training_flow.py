@@ -57,12 +57,12 @@ def train(kind: str, version_dir: str) -> dict:
 def publish(version_dir: str) -> dict:
     """Checks that the version's checkpoints belong together, then points ``current`` at it atomically."""
     from models import load_checkpoint
+    from solaris_jobs.model_refs import check_ae_of_fm
     from solaris_jobs.ranker import embedding_version
     d = Path(version_dir).resolve()
     metas = {k: load_checkpoint(d / f"{k}.pt")[1] for k in ("fm", "ae", "vm", "vm_transfer")}
     fm_v, ae_v = metas["fm"]["model_version"], metas["ae"]["model_version"]
-    if metas["ae"]["extra"].get("fm_version") != fm_v:
-        raise ValueError(f"{d}: ae.pt was trained on FM {metas['ae']['extra'].get('fm_version')}, not {fm_v}")
+    check_ae_of_fm(metas["fm"], metas["ae"], d / "fm.pt", d / "ae.pt")
     if embedding_version(metas["vm_transfer"]) != f"{fm_v}+{ae_v}":
         raise ValueError(f"{d}: vm_transfer.pt takes embeddings {embedding_version(metas['vm_transfer'])}, "
                          f"not {fm_v}+{ae_v}")

@@ -9,10 +9,14 @@ from solaris_jobs import offline as off
 
 
 def read_sorted(offline, dataset: str, end) -> pd.DataFrame:
-    """One interval's published output through the layout module, rows sorted by their key columns."""
+    """One interval's published output through the layout module, rows sorted by every column that is not an
+    array (keys first), so that equal outputs compare equal whatever order their files and rows came in."""
     df = off.read_table(offline, dataset, end).to_pandas()
-    key = [c for c in ("user_id", "item_id", "reason") if c in df.columns]
-    return df.sort_values(key).reset_index(drop=True) if key else df
+    if not len(df):
+        return df
+    scalar = [c for c in df.columns if not isinstance(df[c].iloc[0], (np.ndarray, list))]
+    key = [c for c in ("user_id", "item_id") if c in scalar] + [c for c in scalar if c not in ("user_id", "item_id")]
+    return df.sort_values(key, kind="mergesort").reset_index(drop=True)
 
 
 def assert_same_frames(x: pd.DataFrame, y: pd.DataFrame, name: str, rtol: float = 0.0, atol: float = 0.0) -> None:

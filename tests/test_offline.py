@@ -1,8 +1,10 @@
 """The offline store's layout: atomic publication (a writer killed between its data and its publish leaves the
 old output whole), readers that follow the pointer, outputs of earlier versions, file:// URIs."""
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -41,16 +43,44 @@ def test_a_writer_killed_before_its_publish_leaves_the_old_output_whole(tmp_path
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == -9, res.stderr[-3000:]                  # killed, by SIGKILL, in the seam
     folder = Path(off.interval_uri(offline, "user_aggregates", END))
-    runs = sorted(p.name for p in folder.iterdir() if p.name.startswith("run="))
+    runs = sorted(p.name for p in folder.iterdir() if p.name.startswith(off.RUN))
     assert len(runs) == 2 and Path(first).name in runs               # the new data is all there, unpublished
+    orphan = folder / next(r for r in runs if r != Path(first).name)
     pd.testing.assert_frame_equal(_rows(offline), old)               # readers still see the old output, whole
     assert off.published(offline, "user_aggregates", END) == first
     assert off.list_intervals(offline, "user_aggregates") == [END]
-    # The next write publishes and removes both the old run and the orphan the killed writer left.
+    # The next write publishes and removes the run it replaces; the unpublished one is left alone while it could
+    # still be another writer's, and removed once it is older than that.
     new = pd.DataFrame({"user_id": range(5), "v": 3.0})
-    latest = off.write_interval(new, offline, "user_aggregates", END)
+    second = off.write_interval(new, offline, "user_aggregates", END)
     pd.testing.assert_frame_equal(_rows(offline), new)
-    assert sorted(p.name for p in folder.iterdir()) == [off.POINTER, Path(latest).name]
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(off.RUN)) == sorted(
+        [orphan.name, Path(second).name])
+    aged = time.time() - off.ORPHAN_AGE.total_seconds() - 60
+    os.utime(orphan, (aged, aged))
+    latest = off.write_interval(new, offline, "user_aggregates", END)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [f"{off.POINTER}.0000000003.{Path(latest).name[len(off.RUN):]}", Path(latest).name], names
+
+
+def test_publish_checks_its_data_and_readers_check_the_run(tmp_path, monkeypatch):
+    offline = tmp_path / "offline"
+    # Where folders do not rename (object stores), a run is written in place and published the same way.
+    monkeypatch.setattr(off, "_renames_folders", lambda fs: False)
+    staged = off.stage_table(pa.table({"user_id": [1, 2]}), offline, "selection", END)
+    assert staged.path.startswith(off.interval_uri(offline, "selection", END) + "/" + off.RUN)
+    assert not off.is_complete(offline, "selection", END)            # written, not published
+    assert staged.publish({"rows": 2}) == staged.path
+    assert off.read_table(offline, "selection", END).num_rows == 2
+    # A staged output that vanished (another writer of the interval removed it) is never published.
+    gone = off.stage_table(pa.table({"user_id": [3]}), offline, "selection", END)
+    shutil.rmtree(gone.path)
+    with pytest.raises(off.PublishError, match="staged selection output is gone"):
+        gone.publish({"rows": 1})
+    assert off.read_table(offline, "selection", END).num_rows == 2
+    # A pointer to a run that is not there is no output at all, not an empty one.
+    shutil.rmtree(staged.path)
+    assert not off.is_complete(offline, "selection", END) and off.list_intervals(offline, "selection") == []
 
 
 def test_layout_reads_earlier_outputs_and_file_uris(tmp_path):

@@ -12,7 +12,9 @@ from tests.servers import SparkConnectServer, SparkStandalone
 
 def test_refresh_under_spark_submit_matches_in_process(ml_run, tmp_path):
     """spark_jobs/refresh.py with the README's individual flags (not --settings), on a real cluster's executor:
-    the same rows as the in-process run of the same settings."""
+    the same rows as the in-process run of the same settings. The driver's environment names another master for
+    in-process steps: under spark-submit, spark-submit's master is used all the same."""
+    from solaris_jobs.settings import env_var
     s, stats = ml_run
     offline = tmp_path / "offline"
     with SparkStandalone(tmp_path / "cluster") as cluster:
@@ -20,7 +22,7 @@ def test_refresh_under_spark_submit_matches_in_process(ml_run, tmp_path):
             "--data", s.data, "--offline", str(offline), "--models", s.models,
             "--start", ML_START.isoformat(), "--end", ML_END.isoformat(), "--lookback-days", "0",
             "--active-hours", str(24 * 14), "--history-len", "10", "--batch-size", "256", "--candidates", "60",
-            "--stats-out", str(tmp_path / "stats.json")])
+            "--stats-out", str(tmp_path / "stats.json")], env={env_var("spark_master"): "local[1]"})
         worker_log = (tmp_path / "cluster" / "worker.log").read_text()
     assert res.returncode == 0, res.stderr[-4000:]
     assert "Asked to launch executor" in worker_log          # the work ran on the cluster's executor
