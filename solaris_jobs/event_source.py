@@ -83,8 +83,11 @@ class EventTable:
         return t.select(columns) if columns else t
 
 
-def event_source(events) -> EventLog | EventTable:
-    """An event source from a data root, a table or DataFrame of events, or an event source (returned as is)."""
+def event_source(events, root=None) -> EventLog | EventTable:
+    """An event source from a data root, a table or DataFrame of events, or an event source (returned as is);
+    None: the log under ``root``."""
+    if events is None:
+        events = root
     if isinstance(events, (EventLog, EventTable)):
         return events
     if isinstance(events, (str, os.PathLike)):

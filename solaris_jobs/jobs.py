@@ -57,10 +57,10 @@ def interval(start, end) -> tuple[pd.Timestamp, pd.Timestamp]:
     return start, end
 
 
-def session(s: Settings, app: str = "solaris", master: str | None = None):
-    """The Spark session the settings describe (``master`` overrides theirs)."""
+def session(s: Settings, app: str = "solaris"):
+    """The Spark session the settings describe."""
     from solaris_jobs.spark import spark_session
-    return spark_session(f"solaris-{app}", master or s.spark_master, driver_memory=s.spark_driver_memory,
+    return spark_session(f"solaris-{app}", s.spark_master, driver_memory=s.spark_driver_memory,
                          log_level=s.spark_log_level)
 
 
@@ -91,7 +91,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     cfg = s.precompute
     vm = (models.vm if models is not None and models.vm is not None
           else model_refs.resolve(s.models, ("vm",)).vm)
-    source = event_source(s.data if events is None else events)
+    source = event_source(events, s.data)
     ev = source.spark(spark, end=T)
     prior = pc.prior_events(ev, T, cfg.lookback_days).cache()
     # Bad rows of the interval itself are set aside with their reason (earlier ones were, by earlier runs).
@@ -146,7 +146,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     cfg = _with_history_len(s, models)
     version = models.embedding_version
     selected = off.read_interval(spark, s.offline, "selection", T).where("selected").select("user_id", "item_id")
-    source = event_source(s.data if events is None else events)
+    source = event_source(events, s.data)
     prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days)
     uc, ic = pc.counters(prior)
     pairs = pc.with_counters(selected, uc, ic).join(pc.user_histories(prior, cfg.history_len), "user_id", "left")
@@ -211,7 +211,7 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     models = models if models is not None and models.fm is not None else _models_of_interval(s, T)
     cfg = _with_history_len(s, models)
     version = models.embedding_version
-    source = event_source(s.data if events is None else events)
+    source = event_source(events, s.data)
     prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days)
     uemb = pc.embed_users(pc.user_histories(prior, cfg.history_len), models.fm, T, cfg).persist()
     staged = off.stage(uemb.where(F.col("reject_reason").isNull()).drop("reject_reason"), s.offline,

@@ -116,16 +116,23 @@ def read_bytes(uri) -> bytes | None:
         return None
 
 
-def write_bytes(uri, data: bytes) -> None:
-    """Writes a small file so that readers see the old bytes or the new ones (temporary name, then a rename:
-    atomic on local and HDFS file systems; an object store's put is atomic by itself)."""
+def _write_then_move(uri, write) -> None:
+    """``write(fs, tmp_path)`` under a temporary name beside ``uri``, then renamed to it, so that readers see the
+    old file or the whole new one (atomic on local and HDFS file systems; an object store's put is atomic)."""
     fs, path = filesystem(uri)
     parent, name = path.rsplit("/", 1)
     fs.create_dir(parent, recursive=True)
     tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
+    write(fs, tmp)
     fs.move(tmp, path)
+
+
+def write_bytes(uri, data: bytes) -> None:
+    """Writes a small file atomically (``_write_then_move``)."""
+    def write(fs, tmp):
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+    _write_then_move(uri, write)
 
 
 def write_json(uri, obj) -> None:
@@ -388,12 +395,7 @@ def write_parquet(folder, table: pa.Table, name: str) -> str:
     """One parquet file ``<folder>/<name>`` (e.g. misses under ``misses_uri``), under a temporary name first."""
     import pyarrow.parquet as pq
     uri = join(folder, name)
-    fs, path = filesystem(uri)
-    parent = path.rsplit("/", 1)[0]
-    fs.create_dir(parent, recursive=True)
-    tmp = f"{parent}/.{name}.tmp"
-    pq.write_table(table, tmp, filesystem=fs)
-    fs.move(tmp, path)
+    _write_then_move(uri, lambda fs, tmp: pq.write_table(table, tmp, filesystem=fs))
     return uri
 
 

@@ -42,7 +42,7 @@ def validate(s: Settings, start, end, *, events=None, clock=None) -> dict:
     from solaris_jobs.events import DataContractError, bad_event_counts
     from solaris_jobs.settings import env_var
     start, end = interval(start, end)
-    source = event_source(s.data if events is None else events)
+    source = event_source(events, s.data)
     t = source.table(start, end)
     n = t.num_rows
     users = len(set(t.column("user_id").to_pylist())) if n else 0
@@ -88,7 +88,7 @@ def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
     """
     from solaris_jobs.materialize import materialized_intervals
     start, end = interval(start, end)
-    source = event_source(s.data if events is None else events)
+    source = event_source(events, s.data)
     ev = source.table(start, end, columns=["user_id", "item_id", "event_timestamp"]).to_pandas()
 
     def keys(dataset, cols):
