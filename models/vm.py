@@ -2,9 +2,10 @@
 
 Id and side-feature embeddings of user and item, the user's and item's counters before the event (log counts,
 smoothed positive rates), an MLP to one logit. Optionally an FM slot: a D-dim embedding from the feature store
-plus a one-hot tier indicator (pair, user aggregate, neighbour, none); rows with no embedding get zeros and tier
-none. Knowledge distillation (the baseline SOLARIS is compared against) trains the same model on a mix of the
-label and the FM's predicted probability.
+plus a one-hot tier indicator (pair, user aggregate, neighbour, none) and, with ``fm_age``, the age of the served
+embedding (``log1p(hours) / 4``; 0 for tier none); rows with no embedding get zeros and tier none. Knowledge
+distillation (the baseline SOLARIS is compared against) trains the same model on a mix of the label and the FM's
+soft label at temperature ``kd_temperature``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ class VMConfig:
     hidden: tuple = (128, 64)
     dropout: float = 0.1
     fm_dim: int = 0                  # 0: no FM slot; else the width of the FM embedding input
+    fm_age: bool = False             # with the FM slot: the served embedding's age as an input too
     kd_weight: float = 0.0           # > 0: knowledge distillation, weight of the FM soft label in the loss
+    kd_temperature: float = 1.0      # soft labels sigmoid(fm_logit / T) against sigmoid(logit / T), scaled by T^2
 
 
 class VerticalModel(nn.Module):
@@ -37,7 +40,7 @@ class VerticalModel(nn.Module):
         self.cfg = cfg
         self.users = SideEmbedding(cfg.user_side, cfg.d_emb)
         self.items = SideEmbedding(cfg.item_side, cfg.d_emb)
-        width = 3 * cfg.d_emb + 4 + (cfg.fm_dim + len(TIERS) if cfg.fm_dim else 0)
+        width = 3 * cfg.d_emb + 4 + (cfg.fm_dim + len(TIERS) + int(cfg.fm_age) if cfg.fm_dim else 0)
         layers = []
         for h in cfg.hidden:
             layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
@@ -45,7 +48,8 @@ class VerticalModel(nn.Module):
         self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
 
     def forward(self, b: dict) -> dict:
-        """b: batch tensors; with an FM slot also ``fm_emb`` (B, fm_dim) and ``tier`` (B,) int64.
+        """b: batch tensors; with an FM slot also ``fm_emb`` (B, fm_dim), ``tier`` (B,) int64 and, with ``fm_age``,
+        ``fm_age_h`` (B,) hours (NaN or anything for tier none: ignored there).
 
         Returns:
             ``logit`` (B,).
@@ -60,13 +64,26 @@ class VerticalModel(nn.Module):
                 emb = u.new_zeros(B, self.cfg.fm_dim)
                 tier = torch.full((B,), TIER_NONE, dtype=torch.long, device=u.device)
             parts += [emb, F.one_hot(tier, len(TIERS)).float()]
+            if self.cfg.fm_age:
+                age = b.get("fm_age_h")
+                age = u.new_zeros(B) if age is None else torch.nan_to_num(age.float(), nan=0.0).clamp(min=0.0)
+                parts.append((torch.log1p(age) / 4.0 * (tier != TIER_NONE).float()).unsqueeze(-1))
         return {"logit": self.mlp(torch.cat(parts, -1)).squeeze(-1)}
 
     def loss(self, out: dict, b: dict) -> torch.Tensor:
-        """BCE on the label; with ``kd_weight`` > 0, mixed with BCE on the FM's soft label ``fm_prob``."""
+        """BCE on the label; with ``kd_weight`` > 0, mixed with BCE on the FM's soft label: ``fm_logit`` at
+        temperature ``kd_temperature`` (or ``fm_prob``, T = 1) on the rows that have one (finite; rows without a
+        soft label, NaN, take the label loss only)."""
         known = b["label"] >= 0
         loss = F.binary_cross_entropy_with_logits(out["logit"][known], b["label"][known])
         if self.cfg.kd_weight > 0:
-            kd = F.binary_cross_entropy_with_logits(out["logit"], b["fm_prob"])
-            loss = (1 - self.cfg.kd_weight) * loss + self.cfg.kd_weight * kd
+            T = self.cfg.kd_temperature
+            if "fm_logit" in b:
+                soft = torch.sigmoid(b["fm_logit"] / T)
+            else:
+                soft = b["fm_prob"]
+            has = torch.isfinite(soft)
+            if has.any():
+                kd = F.binary_cross_entropy_with_logits(out["logit"][has] / T, soft[has]) * T * T
+                loss = (1 - self.cfg.kd_weight) * loss + self.cfg.kd_weight * kd
         return loss

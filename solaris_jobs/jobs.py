@@ -102,8 +102,13 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     if n_bad:
         logger.warning("set aside %d bad event rows of the interval: %s", n_bad, rejects_path)
     misses = off.read_misses(spark, s.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
+    budgeted = cfg.budget_per_row is not None
     users = pc.active_users(prior, T, cfg.active_hours, misses).cache()
-    cands = pc.candidate_pairs(prior, users, T, cfg.simulator).cache()
+    recent = pc.recent_pairs(prior, T, cfg.recent_hours) if cfg.recent_hours > 0 else None
+    # One pool: under a budget the misses are candidates like the others (inside the budget); without one they
+    # are forced in on top of the verifier's share.
+    cands = pc.candidate_pool(pc.candidate_pairs(prior, users, T, cfg.simulator), recent,
+                              misses if budgeted else None).cache()
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -113,22 +118,34 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
     uc, ic = pc.counters(prior)
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
-    considered = cands.groupBy("user_id").agg(F.count("*").alias("n_considered"))
-    sel = pc.select_pairs(scored, cfg.select_share, cfg.select_scope, cfg.exclusion_share, considered)
-    sel = pc.force_misses(sel, misses).withColumn("run", F.lit(T.to_pydatetime()).cast("timestamp"))
+    budget = {}
+    if budgeted:
+        n_budget, expected = pc.budget_pairs(prior, start, T, cfg.budget_per_row, cfg.budget_window_hours)
+        sel = pc.select_budget(scored, n_budget, cfg.select_priority, cfg.exclusion_share)
+        budget = {"budget_per_row": cfg.budget_per_row, "budget_pairs": n_budget, "expected_rows": expected,
+                  "select_priority": cfg.select_priority}
+    else:
+        considered = cands.groupBy("user_id").agg(F.count("*").alias("n_considered"))
+        sel = pc.select_pairs(scored, cfg.select_share, cfg.select_scope, cfg.exclusion_share, considered)
+        sel = pc.force_misses(sel, misses)
+    sel = sel.withColumn("run", F.lit(T.to_pydatetime()).cast("timestamp"))
     n_users, n_cands, n_excl = users.count(), cands.count(), excluded.count()
     staged = off.stage(sel, s.offline, "selection", T)
-    agg = spark.read.parquet(staged.path).agg(
-        F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
-        F.sum((F.col("source") == "miss").cast("int")).alias("forced_misses")).first()
+    written = spark.read.parquet(staged.path)
+    agg = written.agg(F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
+                      F.sum((F.col("source") == "miss").cast("int")).alias("misses")).first()
+    by_source = {r["source"]: {"pool": r["pool"], "selected": r["selected"]} for r in written.groupBy("source").agg(
+        F.count("*").alias("pool"), F.sum(F.col("selected").cast("int")).alias("selected")).collect()}
     stats = {"interval_end": T.isoformat(), "rejected_events": n_bad, "users": n_users, "pairs_considered": n_cands,
              "pairs_excluded": n_excl, "exclusion_history_runs": len(past), "pairs_scored": agg["scored"],
-             "pairs_selected": agg["selected"], "forced_misses": agg["forced_misses"],
+             "pairs_selected": agg["selected"] or 0,
+             "forced_misses": 0 if budgeted else agg["misses"], "by_source": by_source, **budget,
              "select_share": cfg.select_share, "select_scope": cfg.select_scope, "verifier": vm.version,
              "seconds": round(time.perf_counter() - t0, 2)}
     _publish(staged, stats, clock)
     logger.info("selection %s: %d users, %d pairs considered, %d excluded by negative exclusion (VM scoring "
-                "saved), %d selected for the FM", T, n_users, n_cands, n_excl, agg["selected"])
+                "saved), %d selected for the FM%s", T, n_users, n_cands, n_excl, agg["selected"] or 0,
+                f" (budget {budget['budget_pairs']})" if budget else "")
     prior.unpersist(), users.unpersist(), cands.unpersist()
     return stats
 

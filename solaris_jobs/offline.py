@@ -388,7 +388,7 @@ def read_misses(spark, offline, start, end):
         raise ValueError(f"{path}: miss records lack columns {sorted(missing)} (need user_id, item_id, missed_at)")
     s, e = pd.Timestamp(start).to_pydatetime(), pd.Timestamp(end).to_pydatetime()
     return df.where((F.col("missed_at") >= F.lit(s)) & (F.col("missed_at") < F.lit(e))) \
-        .select(F.col("user_id").cast("long"), F.col("item_id").cast("long"))
+        .select(F.col("user_id").cast("long"), F.col("item_id").cast("long"), F.col("missed_at").cast("timestamp"))
 
 
 def write_parquet(folder, table: pa.Table, name: str) -> str:

@@ -116,19 +116,23 @@ def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig):
     cov = (cov.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
                                                    .orderBy(F.desc("count"), "item_id")))
            .where(F.col("k") <= cfg.n_candidates - cfg.n_popular)
-           .select("user_id", "item_id", F.lit("covisit").alias("source"),
+           .select("user_id", "item_id", F.lit(0).alias("_tier"), F.col("k").alias("_order"),
+                   F.lit("covisit").alias("source"),
                    F.log1p(F.col("count").cast("double")).cast("float").alias("retrieval_score")))
-    n_cov = cov.groupBy("user_id").agg(F.count("*").alias("n_cov"))
-    pop = popular_items(prior, cutoff, cfg)
-    n_pop = pop.count()
-    fill = (users.crossJoin(F.broadcast(pop)).join(cov.select("user_id", "item_id"), ["user_id", "item_id"],
-                                                   "left_anti")
-            .join(n_cov, "user_id", "left").fillna(0, ["n_cov"])
-            .withColumn("k", F.row_number().over(Window.partitionBy("user_id").orderBy("rank")) - 1)
-            .where(F.col("k") < cfg.n_candidates - F.col("n_cov"))
-            .select("user_id", "item_id", F.lit("popular").alias("source"),
-                    (-F.col("rank") / F.lit(max(n_pop, 1))).cast("float").alias("retrieval_score")))
-    return cov.unionByName(fill)
+    # The popular items fill each set up to n_candidates, skipping items co-visitation already gave: one union
+    # ordered (co-visitation by count, then popularity rank), a pair kept once (its co-visitation row first).
+    pop = popular_items(prior, cutoff, cfg)                       # at most n_candidates rows
+    pop = pop.withColumn("n_pop", F.count("*").over(Window.partitionBy()))
+    fill = (users.crossJoin(F.broadcast(pop))
+            .select("user_id", "item_id", F.lit(1).alias("_tier"), F.col("rank").alias("_order"),
+                    F.lit("popular").alias("source"),
+                    (-F.col("rank") / F.col("n_pop")).cast("float").alias("retrieval_score")))
+    both = cov.unionByName(fill)
+    once = Window.partitionBy("user_id", "item_id").orderBy("_tier", "_order")
+    by_user = Window.partitionBy("user_id").orderBy("_tier", "_order", "item_id")
+    return (both.withColumn("_d", F.row_number().over(once)).where("_d = 1")
+            .withColumn("_k", F.row_number().over(by_user)).where(F.col("_k") <= cfg.n_candidates)
+            .select("user_id", "item_id", "source", "retrieval_score"))
 
 
 # ----------------------------------------------------------------------------------------------- counters
@@ -234,6 +238,87 @@ def select_pairs(scored, share: float, scope: str, bottom_share: float, consider
         threshold = scored.approxQuantile("vm_score", [1.0 - q], 1e-4)
         sel = F.col("vm_score") >= F.lit(threshold[0] if threshold else 0.0)
     return ranked.withColumn("selected", sel).drop("n", "n_budget")
+
+
+def recent_pairs(prior, cutoff, hours: float):
+    """Pairs ranked for their user in ``[cutoff - hours, cutoff)``: (user_id, item_id, last_seen), the time of the
+    pair's latest ranking. A user's rankings stay stable over short periods, so these come back soon."""
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    return (prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=hours).to_pytimedelta()))
+            .groupBy("user_id", "item_id").agg(F.max("event_timestamp").alias("last_seen")))
+
+
+# Which source names a pair found by several: the strongest evidence that it will be ranked soon first.
+POOL_SOURCES = ("recent", "miss", "covisit", "popular")
+
+
+def candidate_pool(simulated, recent=None, misses=None):
+    """One candidate pool: the request simulator's candidates, recently ranked pairs and missed pairs, one row per
+    pair with the ``source`` that found it first in ``POOL_SOURCES`` order, its retrieval score (simulator
+    candidates; null otherwise) and ``last_seen`` (latest ranking or miss; null for pairs never ranked).
+
+    Args:
+        simulated: (user_id, item_id, source, retrieval_score) from ``candidate_pairs``.
+        recent: (user_id, item_id, last_seen) from ``recent_pairs``, or None.
+        misses: (user_id, item_id, missed_at), or None.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    parts = [simulated.withColumn("last_seen", F.lit(None).cast("timestamp"))]
+    if recent is not None:
+        parts.append(recent.select("user_id", "item_id", F.lit("recent").alias("source"),
+                                   F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
+    if misses is not None:
+        parts.append(misses.groupBy("user_id", "item_id").agg(F.max("missed_at").alias("last_seen"))
+                     .select("user_id", "item_id", F.lit("miss").alias("source"),
+                             F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
+    pool = parts[0]
+    for p in parts[1:]:
+        pool = pool.unionByName(p)
+    order = F.array_position(F.array(*[F.lit(x) for x in POOL_SOURCES]), F.col("source"))
+    w = Window.partitionBy("user_id", "item_id")
+    return (pool.withColumn("_o", order)
+            .withColumn("last_seen", F.max("last_seen").over(w))
+            .withColumn("retrieval_score", F.max("retrieval_score").over(w))
+            .withColumn("_k", F.row_number().over(w.orderBy("_o")))
+            .where("_k = 1").drop("_o", "_k"))
+
+
+def budget_pairs(prior, start, cutoff, budget_per_row: float, window_hours: float) -> tuple[int, float]:
+    """The FM budget of the interval ``[start, cutoff)``: ``ceil(budget_per_row x`` expected rows), the expected rows
+    being the log's rows per interval length over ``[cutoff - window_hours, cutoff)``.
+
+    Returns:
+        (pairs, expected rows).
+    """
+    import math
+
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    window = pd.Timedelta(hours=window_hours)
+    rows = prior.where(F.col("event_timestamp") >= F.lit(t - window.to_pytimedelta())).count()
+    expected = rows * (pd.Timestamp(cutoff) - pd.Timestamp(start)) / window
+    return int(math.ceil(budget_per_row * expected)), float(expected)
+
+
+def select_budget(scored, n_pairs: int, priority: str, bottom_share: float):
+    """Budgeted selection: one global ranking of the whole pool, the top ``n_pairs`` selected.
+
+    ``priority``: ``verifier`` (by the verifier's score) or ``recency`` (most recently ranked or missed first, then
+    the verifier's score; pairs never ranked last). Ties break by user and item id. Adds ``priority_rank`` (1 = first
+    in line for the FM), ``rank`` and ``bottom`` within the user (as ``select_pairs``) and ``selected``.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    by_user = Window.partitionBy("user_id")
+    ranked = (scored.withColumn("n", F.count("*").over(by_user))
+              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
+    ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    keys = [F.desc_nulls_last("last_seen")] if priority == "recency" else []
+    keys += [F.desc("vm_score"), "user_id", "item_id"]
+    ranked = ranked.withColumn("priority_rank", F.row_number().over(Window.orderBy(*keys)))
+    return ranked.withColumn("selected", F.col("priority_rank") <= F.lit(n_pairs)).drop("n")
 
 
 def force_misses(selection, misses):

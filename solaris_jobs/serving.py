@@ -45,6 +45,7 @@ class Features:
     tiers: np.ndarray               # (N,) int64, index into models.vm.TIERS
     latency_ms: float
     failed_open: bool = False
+    ages_s: np.ndarray | None = None    # (N,) float64: seconds from the served row's event time to the request; NaN for none
 
     def tier_names(self) -> list[str]:
         return [TIERS[t] for t in self.tiers]
@@ -158,6 +159,10 @@ class MissQueue:
     def _run(self) -> None:
         while not self._stop.wait(self.flush_s):
             self._drain()
+        self._drain()
+
+    def flush(self) -> None:
+        """Hands everything queued so far to the sink now (a replay calls this before the next refresh reads it)."""
         self._drain()
 
     def close(self) -> None:
@@ -360,6 +365,7 @@ class FeatureReader:
         now_s = epoch_seconds(now)
         emb = np.zeros((n, self.dim), np.float32)
         tiers = np.full(n, T_NONE, np.int64)
+        ages = np.full(n, np.nan)
         c = self.metrics.counts
         c["requests"] += 1
         c["rows"] += n
@@ -372,9 +378,10 @@ class FeatureReader:
                 raw = (self._read_redis if self.cfg.kind == "redis" else self._read_sqlite)(int(user_id), items)
                 if (time.perf_counter() - t0) * 1000 > self.budget_ms:
                     c["over_budget"] += 1
-                self._resolve(raw, now_s, emb, tiers)
+                self._resolve(raw, now_s, emb, tiers, ages)
             except Exception as e:
                 failed = True
+                emb[:], tiers[:], ages[:] = 0.0, T_NONE, np.nan        # nothing half-resolved is served
                 c["fail_open"] += 1
                 self._down_until = time.monotonic() + self.cooldown_s
                 self._reset()
@@ -388,7 +395,7 @@ class FeatureReader:
                 self.misses.put(int(user_id), missed, int(now_s * 1000))
         ms = (time.perf_counter() - t0) * 1000
         self.metrics.latencies_ms.append(ms)
-        return Features(emb, tiers, ms, failed)
+        return Features(emb, tiers, ms, failed, ages)
 
     def _check(self, row, ttl_s: float, now_s: float):
         """The embedding bytes if the row is servable, else a code (missing, other version, future, stale)."""
@@ -401,7 +408,7 @@ class FeatureReader:
             return FUTURE
         return STALE if age > ttl_s else row[0]
 
-    def _resolve(self, raw: list, now_s: float, emb: np.ndarray, tiers: np.ndarray) -> None:
+    def _resolve(self, raw: list, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray) -> None:
         c = self.metrics.counts
         fallback = None
         for tier, row, ttl_s in ((T_AGG, raw[0], self._ttl["user_aggregates"]),
@@ -410,17 +417,18 @@ class FeatureReader:
             if isinstance(r, bytes):
                 vec, ok = ff.parse_float_lists([r], self.dim)
                 if ok[0]:
-                    fallback = (tier, vec[0])
+                    fallback = (tier, vec[0], now_s - row[2])
                     break
                 c["bad_width"] += 1
             else:
                 c[f"{TIERS[tier]}_{CODE_NAMES[r]}"] += 1
         pair_ttl = self._ttl["pair_embeddings"]
         vals = []
-        for row in raw[2:]:
+        for j, row in enumerate(raw[2:]):
             r = self._check(row, pair_ttl, now_s)
             if isinstance(r, bytes):
                 vals.append(r)
+                ages[j] = now_s - row[2]
             else:
                 vals.append(None)
                 c[f"pair_{CODE_NAMES[r]}"] += 1
@@ -428,9 +436,11 @@ class FeatureReader:
         c["bad_width"] += sum(1 for v, good in zip(vals, ok) if v is not None and not good)
         emb[ok] = m[ok]
         tiers[ok] = T_PAIR
+        ages[~ok] = np.nan
         if fallback is not None:
             emb[~ok] = fallback[1]
             tiers[~ok] = fallback[0]
+            ages[~ok] = fallback[2]
 
     def _reset(self) -> None:
         """Drops connections after a failure (a reply may be outstanding); the next read reconnects."""

@@ -59,9 +59,17 @@ class PrecomputeConfig:
         active_hours: users with an event in ``[T - active_hours, T)`` are expected to be served soon.
         lookback_days: history, counters and co-visitation read events in ``[T - lookback_days, T)``
             (None: the whole log before T).
-        select_share: share of scored pairs sent to the FM.
+        select_share: share of scored pairs sent to the FM (without ``budget_per_row``).
         select_scope: ``user`` (top share of each user's candidates, at least one) or ``global`` (top share of
             all pairs by verifier score).
+        recent_hours: pairs ranked for a user in ``[T - recent_hours, T)`` join the candidate pool (a user's
+            rankings stay stable over short periods); 0: off.
+        budget_per_row: one FM budget for the whole pool, misses included: ``ceil(budget_per_row x`` the rows the
+            log served per interval over the last ``budget_window_hours``) pairs, the top of one global ranking
+            (``select_priority``). None: the per-share selection above, misses forced in on top.
+        select_priority: the global ranking under a budget: ``verifier`` (the VM's score) or ``recency`` (the
+            time the pair was last ranked or missed, most recent first, then the verifier's score; pairs never
+            ranked come last).
         exclusion_runs: K; a pair in the bottom ``exclusion_share`` of its user's candidates in each of the last
             K runs is skipped before scoring (0 disables).
         miss_hours: serving misses recorded in ``[T - miss_hours, T)`` are forced into the selection.
@@ -77,6 +85,10 @@ class PrecomputeConfig:
     lookback_days: float | None = Field(30.0, gt=0)
     select_share: float = Field(0.2, gt=0, le=1)
     select_scope: Literal["user", "global"] = "user"
+    recent_hours: float = Field(0.0, ge=0)
+    budget_per_row: float | None = Field(None, gt=0)
+    budget_window_hours: float = Field(24.0, gt=0)
+    select_priority: Literal["verifier", "recency"] = "verifier"
     exclusion_runs: int = Field(3, ge=0)
     exclusion_share: float = Field(0.5, ge=0, le=1)
     miss_hours: float = Field(24.0, ge=0)
@@ -270,6 +282,14 @@ FLAGS = (
     Flag("--select-share", "precompute.select_share", "Share of scored pairs sent to the FM.", "float"),
     Flag("--select-scope", "precompute.select_scope", "user: top share of each user's candidates; global: top "
                                                       "share of all pairs.", "choice", ("user", "global")),
+    Flag("--recent-hours", "precompute.recent_hours", "Pairs ranked for the user in the last this many hours join "
+                                                      "the candidate pool (0: off).", "float"),
+    Flag("--budget-per-row", "precompute.budget_per_row", "One FM budget for the pool, misses included: this many "
+                                                          "FM inferences per row the log served per interval "
+                                                          "(default: the per-share selection).", "float"),
+    Flag("--select-priority", "precompute.select_priority", "The global ranking under a budget: verifier score, "
+                                                            "or recency of the pair's last ranking then verifier.",
+         "choice", ("verifier", "recency")),
     Flag("--exclusion-runs", "precompute.exclusion_runs", "K: skip pairs in their user's bottom share in each of "
                                                           "the last K runs (0: off).", "int"),
     Flag("--exclusion-share", "precompute.exclusion_share", "The bottom share for negative exclusion.", "float"),

@@ -58,8 +58,12 @@ class Dataset:
 
 
 def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_train_rows: int | None = None,
-                 seed: int = 0) -> Dataset:
+                 seed: int = 0, cuts: tuple | None = None) -> Dataset:
     """Reads ``root`` (events + side tables) and splits it by time.
+
+    Args:
+        split: train/valid/test shares of the rows, by time quantiles (without ``cuts``).
+        cuts: (valid_from, test_from) times instead: train before the first, valid up to the second, test after.
 
     Raises:
         DataContractError: no event log under ``root``, or it is empty.
@@ -70,7 +74,12 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
         raise ev.DataContractError(f"{root}: the event log is empty")
     index = EventIndex(table)
     examples = Examples.from_events(index, table, history_len)
-    train, valid, test, cuts = time_split(examples.ts, split)
+    if cuts is not None:
+        c1, c2 = (ev.to_utc(c).value // 1000 for c in cuts)
+        ts = examples.ts
+        train, valid, test, cuts = ts < c1, (ts >= c1) & (ts < c2), ts >= c2, (int(c1), int(c2))
+    else:
+        train, valid, test, cuts = time_split(examples.ts, split)
     if max_train_rows:
         # Large logs: N training rows and N/4 each for valid and test, sampled uniformly.
         rng = np.random.default_rng(seed)
@@ -87,6 +96,30 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
                 valid.sum(), test.sum(), time.perf_counter() - t0)
     return Dataset(str(root), index, examples.subset(train), examples.subset(valid), examples.subset(test), cuts,
                    as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)})
+
+
+@dataclass
+class Arrays:
+    """Model inputs already computed, one array per input, rows aligned (what ``fit`` and ``predict`` take, like
+    ``Examples``, when no history is needed: the VM). ``label`` is the BCE target (-1 unknown)."""
+    arrays: dict
+    label: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def subset(self, mask: np.ndarray) -> "Arrays":
+        return Arrays({k: v[mask] for k, v in self.arrays.items()}, self.label[mask])
+
+    def batch(self, idx: np.ndarray) -> dict:
+        return {"label": self.label[idx], **{k: v[idx] for k, v in self.arrays.items()}}
+
+    def batches(self, batch_size: int, shuffle_seed: int | None = None):
+        order = np.arange(len(self))
+        if shuffle_seed is not None:
+            np.random.default_rng(shuffle_seed).shuffle(order)
+        for s in range(0, len(order), batch_size):
+            yield self.batch(order[s: s + batch_size])
 
 
 def _sample(mask: np.ndarray, n: int, rng) -> np.ndarray:

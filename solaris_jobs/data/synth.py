@@ -8,12 +8,27 @@ What it models (all parameters in :class:`SynthConfig`):
 * Each request ranks ``n_pool + n_fresh`` candidates: ``n_pool`` from a per-user pool of ``pool_size`` items that
   changes slowly (each slot is replaced with probability ``1 - exp(-gap / pool_half_life)``), and ``n_fresh``
   popular items drawn from a Zipf law. So the same user-item pairs come back across requests, as ads do.
-* The label (click) is a hidden non-linear function of the pair and the user's recent history: a saturating
-  static affinity ``tanh(<u, v>)``, the user's current interest (an exponentially decaying mean of the items they
-  clicked, rectified), fatigue from earlier impressions of the same pair, and item popularity. A sequence model
-  that sees the history can learn the last two; a model of ids and side features cannot.
+* The label (click) is a hidden non-linear function of the pair and the user's recent history, in two parts:
+  a *static* part (a saturating affinity ``tanh(<u, v>)`` and item popularity) that ids and side features can
+  learn, and a *sequence* part (the user's current interest, an exponentially decaying mean of the items they
+  clicked, rectified; and fatigue from recent impressions of the same pair, decaying with
+  ``fatigue_half_life_hours``) that only a model of the user's history can see. ``sequence_share`` is the share
+  of the logit's signal variance that comes from the sequence part; ``signal_scale`` the standard deviation of
+  the whole signal in logit units; the bias is solved so that the positive rate is ``positive_rate``. The
+  standardisation and the bias are calibrated on a pilot (the first ``calibration_users`` users, a few fixed-point
+  rounds since clicks feed the interest state), so they depend only on the parameters and the seed.
 * Users have side features ``segment`` (their favourite category, informative) and ``region`` (noise); items
   have ``category`` (informative).
+
+Why these defaults (fixed before any evaluation run; see README "Synthetic ad-like traffic"):
+
+* ``p_continue`` 0.8 with 3-minute gaps: about 76% of a user's consecutive requests come within 10 minutes, the
+  share Meta's ERCache (arXiv 2410.06497) reports for consecutive user-model inferences in ads.
+* ``session_rate`` median 1.2 sessions/day, log-normal (sigma 1): about 0.67 of a month's users are active on a
+  given day, the DAU/MAU ratio Meta reports for its apps; activity is heavy-tailed.
+* ``positive_rate`` 5%: an ad-like click rate (MovieLens' "rating >= 4" is 55%, not ad-like).
+* ``pool_half_life_days`` 2: per-user ad rankings stay stable over short periods (Meta's negative exclusion
+  filtering relies on it), and campaigns turn over in days.
 
 Determinism: every random draw is a counter-based hash of (seed, stream, user, request index, slot), so the rows
 do not depend on how users are split into chunks, and the same seed and parameters give the same bytes. Users
@@ -54,17 +69,40 @@ class SynthConfig:
     start: str = "2026-01-05T00:00:00Z"
     categories: int = 24
     zipf_exponent: float = 1.05
-    session_rate: float = 0.3          # median sessions per day; log-normal across users
+    session_rate: float = 1.2          # median sessions per day; log-normal across users
     session_rate_sigma: float = 1.0
-    p_continue: float = 0.6            # chance a session has another request
+    p_continue: float = 0.8            # chance a session has another request
     request_gap_minutes: float = 3.0
     pool_size: int = 40
     pool_half_life_days: float = 2.0
     n_pool: int = 8
     n_fresh: int = 2
     interest_half_life_hours: float = 12.0
-    max_requests: int = 400
+    fatigue_half_life_hours: float = 24.0
+    positive_rate: float = 0.05        # target share of positive labels (the bias is solved for it)
+    sequence_share: float = 0.5        # share of the label's signal variance only a sequence model can see
+    signal_scale: float = 1.5          # std of the label's signal in logit units
+    calibration_users: int = 2_000
+    calibration_rounds: int = 3
+    max_requests: int = 5_000
     chunk_users: int = 50_000
+
+    def __post_init__(self):
+        for name, lo, hi in (("positive_rate", 0.0, 1.0), ("sequence_share", 0.0, 1.0), ("p_continue", 0.0, 1.0)):
+            v = getattr(self, name)
+            if not (lo <= v <= hi) or (name == "positive_rate" and v in (lo, hi)):
+                raise ValueError(f"SynthConfig.{name} = {v} is outside [{lo}, {hi}]")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How the label's two parts are scaled: logit = bias + a_s (static - mu_s) / sd_s + a_d (seq - mu_d) / sd_d,
+    with a_s = scale sqrt(1 - share), a_d = scale sqrt(share)."""
+    bias: float = -3.0
+    mu_s: float = 0.0
+    sd_s: float = 1.0
+    mu_d: float = 0.0
+    sd_d: float = 1.0
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -148,8 +186,12 @@ def _draw_pool_items(cfg, world, users, fav, keys_step, slots):
     return np.where(u_kind < 0.7, world.in_category(cats, u_item), world.popular(u_item))
 
 
-def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int) -> pa.Table:
-    """Simulates users lo+1..hi (ids are 1-based) and returns their events."""
+def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int, calib: Calibration,
+                    raw: list | None = None) -> pa.Table:
+    """Simulates users lo+1..hi (ids are 1-based) and returns their events.
+
+    ``raw``: when a list, the (static, sequence) parts of every row's logit are appended to it (the calibration).
+    """
     s = cfg.seed
     ids = np.arange(lo + 1, hi + 1, dtype=np.int64)
     side = _user_side(cfg, ids, world)
@@ -157,8 +199,10 @@ def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int) -> pa.Tab
     horizon = cfg.days * 86400.0
     slots = np.arange(cfg.pool_size)
     pool = _draw_pool_items(cfg, world, ids, side["fav"], np.full(n, 0xFFFF), slots)     # (n, P)
-    seen = np.zeros((n, cfg.pool_size), dtype=np.int64)
+    heat = np.zeros((n, cfg.pool_size))            # recent impressions of each pool slot, decaying (fatigue)
     interest = np.zeros((n, LATENT))
+    a_s = cfg.signal_scale * math.sqrt(1.0 - cfg.sequence_share)
+    a_d = cfg.signal_scale * math.sqrt(cfg.sequence_share)
     # First request: the user's session process is already running at the start (memoryless).
     t = -np.log1p(-_uniform(s, 30, ids)) / side["rate"] * 86400.0
     last_t = t.copy()
@@ -175,34 +219,39 @@ def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int) -> pa.Tab
         # Slow pool drift: each slot replaced with probability 1 - exp(-gap / half-life).
         p_rep = 1.0 - np.exp(-gap / (cfg.pool_half_life_days * 86400.0) * math.log(2))
         rep = _uniform(s, 40, uid[:, None], stepk[:, None], slots[None, :]) < p_rep[:, None]
+        cool = np.exp(-gap / (cfg.fatigue_half_life_hours * 3600.0) * math.log(2))
+        heat[rows] *= cool[:, None]
         if rep.any():
             fresh_pool = _draw_pool_items(cfg, world, uid, side["fav"][rows], stepk, slots)
             pool[rows] = np.where(rep, fresh_pool, pool[rows])
-            seen[rows] = np.where(rep, 0, seen[rows])
+            heat[rows] = np.where(rep, 0.0, heat[rows])
         # Candidates: n_pool distinct pool slots + n_fresh popular items.
         keys = _uniform(s, 41, uid[:, None], stepk[:, None], slots[None, :])
         pick = np.argsort(keys, axis=1)[:, : cfg.n_pool]                                   # (r, n_pool)
         pool_items = np.take_along_axis(pool[rows], pick, axis=1)
-        pool_seen = np.take_along_axis(seen[rows], pick, axis=1)
+        pool_heat = np.take_along_axis(heat[rows], pick, axis=1)
         fresh = world.popular(_uniform(s, 42, uid[:, None], stepk[:, None], np.arange(cfg.n_fresh)[None, :]))
         items = np.concatenate([pool_items, fresh], axis=1)                                # (r, K)
-        n_seen = np.concatenate([pool_seen, np.zeros_like(fresh)], axis=1)
-        # Hidden click model.
+        item_heat = np.concatenate([pool_heat, np.zeros(fresh.shape)], axis=1)
+        # Hidden click model: a static part (ids and side features can learn it) and a sequence part.
         v = world.vec[items]                                                               # (r, K, LATENT)
         decay = np.exp(-gap / (cfg.interest_half_life_hours * 3600.0) * math.log(2))
         cur_interest = interest[rows] * decay[:, None]
         aff = np.einsum("rkd,rd->rk", v, side["vec"][rows])
         cur = np.einsum("rkd,rd->rk", v, cur_interest)
-        logit = (-2.6 + 1.6 * np.tanh(1.5 * aff) + 3.0 * np.maximum(cur, 0.0)
-                 - 0.45 * np.log1p(n_seen) * (1.0 + (aff < 0)) + 0.35 * world.pop_z[items])
+        static = 1.6 * np.tanh(1.5 * aff) + 0.35 * world.pop_z[items]
+        seq = 3.0 * np.maximum(cur, 0.0) - 0.45 * np.log1p(item_heat) * (1.0 + (aff < 0))
+        if raw is not None:
+            raw.append((static.ravel(), seq.ravel()))
+        logit = (calib.bias + a_s * (static - calib.mu_s) / calib.sd_s + a_d * (seq - calib.mu_d) / calib.sd_d)
         y = _uniform(s, 43, uid[:, None], stepk[:, None], np.arange(k_cand)[None, :]) < 1.0 / (1.0 + np.exp(-logit))
-        # State updates: interest moves toward the clicked items, shown pool slots count an impression.
+        # State updates: interest moves toward the clicked items, shown pool slots warm up (fatigue).
         clicked = y.sum(axis=1)
         mean_clicked = np.einsum("rk,rkd->rd", y, v) / np.maximum(clicked, 1)[:, None]
         interest[rows] = np.where(clicked[:, None] > 0, 0.5 * cur_interest + 0.5 * mean_clicked, cur_interest)
-        sub = seen[rows]
-        np.put_along_axis(sub, pick, pool_seen + 1, axis=1)
-        seen[rows] = sub
+        sub = heat[rows]
+        np.put_along_axis(sub, pick, pool_heat + 1.0, axis=1)
+        heat[rows] = sub
         out_u.append(np.repeat(uid, k_cand))
         out_i.append(items.ravel() + 1)
         out_t.append(np.repeat(tt, k_cand))
@@ -228,6 +277,39 @@ def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int) -> pa.Tab
         "request_id": np.concatenate(out_r),
     })
     return ev.conform(table)
+
+
+def _solve_bias(offset: np.ndarray, rate: float) -> float:
+    """The b with mean(sigmoid(b + offset)) = rate (bisection; the mean is increasing in b)."""
+    lo, hi = -30.0, 30.0
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        if np.mean(1.0 / (1.0 + np.exp(-(mid + offset)))) < rate:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def calibrate(cfg: SynthConfig, world: _World) -> Calibration:
+    """Standardisation of the label's two parts and the bias for ``positive_rate``, from a pilot of the first
+    ``calibration_users`` users; repeated ``calibration_rounds`` times because clicks move the interest state."""
+    n = min(cfg.users, cfg.calibration_users)
+    calib = Calibration()
+    a_s = cfg.signal_scale * math.sqrt(1.0 - cfg.sequence_share)
+    a_d = cfg.signal_scale * math.sqrt(cfg.sequence_share)
+    for _ in range(cfg.calibration_rounds):
+        raw: list = []
+        _generate_chunk(cfg, world, 0, n, calib, raw)
+        if not raw:
+            return calib
+        st = np.concatenate([r[0] for r in raw])
+        sq = np.concatenate([r[1] for r in raw])
+        mu_s, sd_s = float(st.mean()), float(st.std()) or 1.0
+        mu_d, sd_d = float(sq.mean()), float(sq.std()) or 1.0
+        offset = a_s * (st - mu_s) / sd_s + a_d * (sq - mu_d) / sd_d
+        calib = Calibration(_solve_bias(offset, cfg.positive_rate), mu_s, sd_s, mu_d, sd_d)
+    return calib
 
 
 def pair_recurrence(table: pa.Table, window_hours: float = 24.0) -> tuple[int, int]:
@@ -259,6 +341,21 @@ def pair_recurrence(table: pa.Table, window_hours: float = 24.0) -> tuple[int, i
     return int(rec.sum()), len(t)
 
 
+def _consecutive_gaps(table: pa.Table, within_s: float) -> np.ndarray:
+    """(consecutive request pairs of one user less than ``within_s`` apart, all consecutive request pairs)."""
+    if table.num_rows == 0:
+        return np.zeros(2, np.int64)
+    u = table.column("user_id").to_numpy()
+    t = table.column("event_timestamp").cast(pa.int64()).to_numpy()
+    r = table.column("request_id").to_numpy()
+    first = np.concatenate([[True], r[1:] != r[:-1]])
+    u, t = u[first], t[first]
+    order = np.lexsort((t, u))
+    u, t = u[order], t[order]
+    same = u[1:] == u[:-1]
+    return np.array([int((same & (np.diff(t) < within_s * 1e6)).sum()), int(same.sum())], np.int64)
+
+
 def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -> dict:
     """Generates the data set under ``out`` chunk by chunk and writes its manifest.
 
@@ -268,24 +365,28 @@ def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -
     t0 = time.perf_counter()
     out = Path(out)
     world = _World(cfg)
+    calib = calibrate(cfg, world)
+    logger.info("label calibration: %s", calib)
     bounds = list(range(0, cfg.users, cfg.chunk_users)) + [cfg.users]
     chunks = list(zip(bounds[:-1], bounds[1:]))
     if progress:
         from tqdm import tqdm
         chunks = tqdm(chunks, desc="synth chunks", unit="chunk")
     n_rows = n_pos = n_rec = n_users = 0
+    gaps = np.zeros(2, np.int64)           # consecutive requests of a user: within 10 minutes, all
     out.mkdir(parents=True, exist_ok=True)
     users_writer = pq.ParquetWriter(out / ".users.parquet.tmp", pa.schema(
         [("user_id", pa.int64()), ("segment", pa.int32()), ("region", pa.int32())]), compression="zstd")
     try:
         for k, (lo, hi) in enumerate(chunks):
-            table = _generate_chunk(cfg, world, lo, hi)
+            table = _generate_chunk(cfg, world, lo, hi, calib)
             ev.write_events(table, out, part=f"part-{k:05d}")
             rec, rows = pair_recurrence(table)
             n_rows += rows
             n_rec += rec
             n_pos += int(pa.compute.sum(table.column("label")).as_py() or 0)
             n_users += len(np.unique(table.column("user_id").to_numpy()))
+            gaps += _consecutive_gaps(table, 600.0)
             ids = np.arange(lo + 1, hi + 1, dtype=np.int64)
             side = _user_side(cfg, ids, world)
             users_writer.write_table(pa.table({"user_id": ids, "segment": side["fav"][:, 0].astype(np.int32) + 1,
@@ -299,6 +400,7 @@ def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -
     manifest = {
         "source": "synthetic", "config": asdict(cfg), "events": n_rows, "users_with_events": n_users,
         "positive_rate": n_pos / max(n_rows, 1), "pair_recurrence_24h": n_rec / max(n_rows, 1),
+        "consecutive_requests_within_10min": float(gaps[0] / max(gaps[1], 1)), "calibration": asdict(calib),
         "rejected": 0, "seconds": round(time.perf_counter() - t0, 2),
     }
     ev.write_manifest(out, manifest)

@@ -1,0 +1,125 @@
+"""Losses, the transfer ratio and the paired bootstrap over users (pure numpy).
+
+TR (Meta's LoopFM definition, DESIGN.md): the share of the FM's improvement over the VM that a variant keeps,
+``TR = (L_VM - L_X) / (L_VM - L_FM)`` for a loss L (BCE here). Intervals come from a paired bootstrap over users:
+one set of user resamples is drawn and every variant's loss is computed on the same resample, so that differences
+and ratios are computed per resample; a TR is only quoted when the lower bound of ``L_VM - L_FM`` is above 0 (a
+ratio over a gap that may be nothing is not a result).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EPS = 1e-7
+
+
+def row_bce(y: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """Per-row binary cross-entropy of probabilities ``p`` for labels ``y`` in {0, 1}."""
+    p = np.clip(np.asarray(p, np.float64), EPS, 1 - EPS)
+    y = np.asarray(y, np.float64)
+    return -(y * np.log(p) + (1 - y) * np.log(1 - p))
+
+
+def auc(y: np.ndarray, p: np.ndarray) -> float:
+    """ROC AUC (rank formula, ties averaged); NaN when one class is absent."""
+    from scipy.stats import rankdata
+    y = np.asarray(y)
+    pos = int((y == 1).sum())
+    neg = len(y) - pos
+    if not pos or not neg:
+        return float("nan")
+    r = rankdata(p)
+    return float((r[y == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def transfer_ratio(l_vm, l_x, l_fm):
+    """TR = (L_VM - L_X) / (L_VM - L_FM); arrays broadcast (per bootstrap resample). NaN where L_VM == L_FM."""
+    gap = np.asarray(l_vm, np.float64) - np.asarray(l_fm, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(gap != 0, (np.asarray(l_vm, np.float64) - np.asarray(l_x, np.float64)) / gap, np.nan)
+
+
+class PairedBootstrap:
+    """Resamples of users (with replacement), shared by every variant.
+
+    Args:
+        users: (n,) the user of each evaluated row.
+        n_boot: resamples.
+        seed: the resamples are a function of the seed and the users only.
+    """
+
+    def __init__(self, users: np.ndarray, n_boot: int = 1000, seed: int = 0):
+        self.uniq, self.inv = np.unique(np.asarray(users), return_inverse=True)
+        U = len(self.uniq)
+        rng = np.random.default_rng(seed)
+        # (B, U) how often each user is drawn in each resample.
+        self.counts = np.zeros((n_boot, U), np.float64)
+        for b in range(n_boot):
+            self.counts[b] = np.bincount(rng.integers(0, U, U), minlength=U)
+        self.rows_per_user = np.bincount(self.inv, minlength=U).astype(np.float64)
+
+    def mean(self, values: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """(B,) the mean of per-row ``values`` (over ``mask`` rows) in each resample."""
+        v = np.asarray(values, np.float64)
+        w = np.ones(len(v)) if mask is None else np.asarray(mask, np.float64)
+        s = np.bincount(self.inv, weights=v * w, minlength=len(self.uniq))
+        n = np.bincount(self.inv, weights=w, minlength=len(self.uniq))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (self.counts @ s) / (self.counts @ n)
+
+
+def interval(samples: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of bootstrap samples (NaNs ignored)."""
+    s = np.asarray(samples, np.float64)
+    s = s[np.isfinite(s)]
+    if not len(s):
+        return float("nan"), float("nan")
+    a = (1 - level) / 2
+    return float(np.quantile(s, a)), float(np.quantile(s, 1 - a))
+
+
+def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: np.ndarray, probs: dict,
+                     baseline: str = "vm", reference: str = "fm", mask: np.ndarray | None = None,
+                     boot: PairedBootstrap | None = None, kd: str | None = None, solaris: str | None = None,
+                     factor: float = 1.5) -> dict:
+    """BCE, AUC and TR with paired-bootstrap intervals for every variant over the rows in ``mask``.
+
+    Args:
+        losses: variant -> per-row BCE (all rows); ``baseline`` and ``reference`` must be among them.
+        probs: variant -> per-row probability (for AUC).
+        kd, solaris: with both, ``criterion`` holds the bound of TR_solaris - factor x TR_kd.
+
+    Returns:
+        {"rows", "users", "gap": L_VM - L_FM with interval, "tr_quoted": lower bound of the gap > 0,
+         "variants": {name: {"bce", "bce_ci", "auc", "tr", "tr_ci"}}, "criterion": {...} or None}.
+    """
+    m = np.ones(len(users), bool) if mask is None else np.asarray(mask, bool)
+    out = {"rows": int(m.sum()), "users": int(len(np.unique(np.asarray(users)[m]))), "variants": {}}
+    if not m.any():
+        out.update(gap=None, tr_quoted=False, criterion=None)
+        return out
+    boot = boot or PairedBootstrap(users)
+    means = {k: boot.mean(v, m) for k, v in losses.items()}
+    point = {k: float(v[m].mean()) for k, v in losses.items()}
+    gap_s = means[baseline] - means[reference]
+    gap_ci = interval(gap_s)
+    quoted = bool(gap_ci[0] > 0)
+    out["gap"] = {"value": point[baseline] - point[reference], "ci": gap_ci,
+                  "relative": (point[baseline] - point[reference]) / point[baseline]}
+    out["tr_quoted"] = quoted
+    trs = {}
+    for k in losses:
+        trs[k] = transfer_ratio(means[baseline], means[k], means[reference])
+        out["variants"][k] = {"bce": point[k], "bce_ci": interval(means[k]),
+                              "auc": auc(labels[m], probs[k][m]) if k in probs else None,
+                              "tr": float(transfer_ratio(point[baseline], point[k], point[reference]))
+                              if quoted else None,
+                              "tr_ci": interval(trs[k]) if quoted else None}
+    out["criterion"] = None
+    if kd and solaris and quoted:
+        diff = trs[solaris] - factor * trs[kd]
+        lo, hi = interval(diff)
+        out["criterion"] = {"statistic": f"TR({solaris}) - {factor} x TR({kd})",
+                            "value": out["variants"][solaris]["tr"] - factor * out["variants"][kd]["tr"],
+                            "ci": (lo, hi), "met": bool(lo > 0)}
+    return out

@@ -1,0 +1,115 @@
+"""The evaluation's time protocol and the models trained before it.
+
+Dates: ``t0`` (the log's start) <= ``t1`` < ``t2`` < ``t3`` (its end). The FM, the autoencoder and the verifier VM
+are trained on ``[t0, t1)`` only (their early stopping on the last ``fm_valid_hours`` of it). The replay walks
+``[t1, t3)``. The ranker's VM variants train on ``[t0, valid_from)`` and choose their epoch and grid point on
+``[valid_from, t2)``; the test is ``[t2, t3)``. Nothing of ``[t2, t3)`` reaches a model, a setting or a threshold.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from solaris_jobs.events import to_utc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Protocol:
+    t0: pd.Timestamp
+    t1: pd.Timestamp
+    t2: pd.Timestamp
+    t3: pd.Timestamp
+    valid_from: pd.Timestamp          # the VMs' validation slice [valid_from, t2)
+    fm_valid_from: pd.Timestamp       # the FM's, AE's and verifier's [fm_valid_from, t1)
+
+    def __post_init__(self):
+        order = [self.t0, self.fm_valid_from, self.t1, self.valid_from, self.t2, self.t3]
+        if any(b <= a for a, b in zip(order, order[1:])):
+            raise ValueError(f"protocol dates out of order: {self.to_dict()}")
+
+    def to_dict(self) -> dict:
+        return {k: v.isoformat() for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Protocol":
+        return cls(**{k: to_utc(v) for k, v in d.items()})
+
+
+def by_days(first: pd.Timestamp, train_days: float, served_days: float, test_days: float,
+            valid_hours: float, fm_valid_hours: float) -> Protocol:
+    """Dates counted from the day the log starts (synthetic traffic): train, served-training and test days."""
+    t0 = to_utc(first).floor("D")
+    d = pd.Timedelta(days=1)
+    t1 = t0 + train_days * d
+    t2 = t1 + served_days * d
+    return Protocol(t0, t1, t2, t2 + test_days * d, t2 - pd.Timedelta(hours=valid_hours),
+                    t1 - pd.Timedelta(hours=fm_valid_hours))
+
+
+def by_quantiles(ts_us: np.ndarray, q1: float = 0.8, q2: float = 0.9, valid_share: float = 0.5,
+                 fm_valid_share: float = 0.125, floor: str = "D") -> Protocol:
+    """Dates from quantiles of the event times (MovieLens: 80% / 90%, as DESIGN.md's split), floored to ``floor``:
+    the VMs validate on the last ``valid_share`` of ``[t1, t2)``, the FM on the last ``fm_valid_share`` of
+    ``[t0, t1)``."""
+    s = np.sort(np.asarray(ts_us))
+    at = lambda q: pd.Timestamp(int(s[min(int(len(s) * q), len(s) - 1)]), unit="us", tz="UTC").floor(floor)
+    t0 = pd.Timestamp(int(s[0]), unit="us", tz="UTC").floor(floor)
+    t3 = pd.Timestamp(int(s[-1]), unit="us", tz="UTC").floor(floor) + pd.Timedelta(floor)
+    t1, t2 = at(q1), at(q2)
+    return Protocol(t0, t1, t2, t3, (t2 - (t2 - t1) * valid_share).floor("h"),
+                    (t1 - (t1 - t0) * fm_valid_share).floor("h"))
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """The FM, autoencoder and verifier trained before t1."""
+    d_model: int = 64
+    n_layers: int = 2
+    d_interaction: int = 128
+    d_code: int = 32
+    history_len: int = 50
+    fm_epochs: int = 2
+    vm_epochs: int = 6
+    batch_size: int = 512
+    max_train_rows: int | None = 300_000
+
+
+def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig) -> dict:
+    """Trains fm.pt, ae.pt and vm.pt (the verifier) into ``out`` on ``[t0, t1)`` (reused when ``out`` holds them for
+    the same data, protocol, seed and settings).
+
+    Returns:
+        {"fm", "ae", "vm"}: each model's metrics (its validation inside ``[t0, t1)``; the test split of these
+        trainers is ``[t1, ...)`` and is reported, never used).
+    """
+    from solaris_jobs import training
+    out = Path(out)
+    key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg)}
+    stamp = out / "trained.json"
+    if stamp.exists() and all((out / f"{k}.pt").exists() for k in ("fm", "ae", "vm")):
+        done = json.loads(stamp.read_text())
+        if done.get("key") == key:
+            logger.info("reusing the models in %s", out)
+            return done["metrics"]
+    tc = training.TrainConfig(epochs=cfg.fm_epochs, batch_size=cfg.batch_size, seed=seed,
+                              history_len=cfg.history_len, max_train_rows=cfg.max_train_rows, patience=1)
+    data = training.load_dataset(str(root), cfg.history_len, max_train_rows=cfg.max_train_rows, seed=seed,
+                                 cuts=(protocol.fm_valid_from, protocol.t1))
+    # The trainers' "test" split is everything from t1 on: reported by them, never used here.
+    fm = training.train_fm(data, out / "fm.pt", tc, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                           d_interaction=cfg.d_interaction)
+    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", tc, d_code=cfg.d_code)
+    vm = training.train_vm(data, out / "vm.pt", training.TrainConfig(
+        epochs=cfg.vm_epochs, batch_size=cfg.batch_size, seed=seed, patience=2, history_len=cfg.history_len,
+        max_train_rows=cfg.max_train_rows))
+    keep = lambda m: {k: v for k, v in m.items() if k != "history"}
+    metrics = {"fm": keep(fm), "ae": keep(ae), "vm": keep(vm)}
+    stamp.write_text(json.dumps({"key": key, "metrics": metrics}, indent=1, default=str) + "\n")
+    return metrics

@@ -1,0 +1,236 @@
+"""The ranker's VM variants, trained on what the store served.
+
+Every variant trains on the same rows, ``[t0, valid_from)``, picks its epoch and grid point on
+``[valid_from, t2)`` and is tested on ``[t2, t3)``. Rows before t1 carry what was served then: tier none, zeros,
+no soft label. The FM inputs of rows in ``[t1, t3)`` are the replay's (``solaris_jobs.replay``): what
+``FeatureReader`` returned at the row's time. Variants:
+
+=============  ===========================================================================================
+vm             the VM alone
+vm_kd          + knowledge distillation from the frozen FM (soft labels on [t1, t2) rows: out of sample)
+tiers_only     + tier and age inputs, embeddings zeroed (what the tiers alone carry)
+pair           + SOLARIS, pair tier only (aggregate and neighbour rows become tier none)
+pair_agg       + SOLARIS, pair and user-aggregate tiers
+solaris        + SOLARIS, all tiers
+solaris_kd     all tiers + KD
+oracle         the FM's code computed at every row's time (100% coverage, no staleness: the FM run online)
+fm             the FM itself
+=============  ===========================================================================================
+
+Tuning: every trained variant gets a grid of ``GRID_SIZE`` points. The non-KD variants search learning rate x weight
+decay x dropout; the KD variants search the KD weight x temperature on top of the base hyperparameters their
+non-KD twin chose (vm for vm_kd, solaris for solaris_kd), which gives KD the larger search of the two.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from models.vm import TIER_NONE, TIERS
+
+logger = logging.getLogger(__name__)
+
+T_PAIR, T_AGG, T_NB = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour"))
+BASE_GRID = [{"lr": lr, "weight_decay": wd, "dropout": do}
+             for lr, wd, do in itertools.product((1e-3, 3e-3), (0.0, 1e-4), (0.1, 0.3))]
+KD_GRID = [{"kd_weight": a, "kd_temperature": t} for a, t in itertools.product((0.1, 0.3, 0.6, 0.9), (1.0, 4.0))]
+GRID_SIZE = len(BASE_GRID)
+assert len(KD_GRID) == GRID_SIZE
+
+# name -> (FM input: None | "served" | "oracle", tiers kept, embeddings zeroed, KD, base variant for KD)
+VARIANTS = {
+    "vm": (None, (), False, False, None),
+    "vm_kd": (None, (), False, True, "vm"),
+    "tiers_only": ("served", (T_PAIR, T_AGG, T_NB), True, False, None),
+    "pair": ("served", (T_PAIR,), False, False, None),
+    "pair_agg": ("served", (T_PAIR, T_AGG), False, False, None),
+    "solaris": ("served", (T_PAIR, T_AGG, T_NB), False, False, None),
+    "solaris_kd": ("served", (T_PAIR, T_AGG, T_NB), False, True, "solaris"),
+    "oracle": ("oracle", (T_PAIR,), False, False, None),
+}
+
+
+@dataclass
+class Table:
+    """Every row of the log from t0 on with the VM's inputs and what the FM side gave it."""
+    users: np.ndarray
+    items: np.ndarray
+    ts: np.ndarray
+    labels: np.ndarray
+    counters: dict
+    split: np.ndarray            # 0 train, 1 valid, 2 test
+    served_emb: np.ndarray       # (n, D) what the store served (zeros: tier none)
+    served_tier: np.ndarray
+    served_age_h: np.ndarray     # NaN for tier none
+    oracle_emb: np.ndarray       # (n, D) the FM's code at the row's time (zeros before t1)
+    fm_logit: np.ndarray         # the FM's logit at the row's time (NaN before t1)
+    user_side: dict
+    item_side: dict
+    tables: dict
+
+    def inputs(self, variant: str) -> tuple[dict, int]:
+        """The arrays a variant's VM takes, and its FM slot width."""
+        source, keep, zeroed, kd, _ = VARIANTS[variant]
+        a = {"user": self.users, "item": self.items, **self.counters}
+        if kd:
+            a["fm_logit"] = np.where(self.split < 2, self.fm_logit, np.nan).astype(np.float32)
+        if source is None:
+            return a, 0
+        if source == "oracle":
+            has = np.isfinite(self.fm_logit)
+            tier = np.where(has, T_PAIR, TIER_NONE).astype(np.int64)
+            emb, age = self.oracle_emb, np.where(has, 0.0, np.nan)
+        else:
+            tier = np.where(np.isin(self.served_tier, keep), self.served_tier, TIER_NONE).astype(np.int64)
+            emb = np.where((tier != TIER_NONE)[:, None], self.served_emb, 0.0).astype(np.float32)
+            age = np.where(tier != TIER_NONE, self.served_age_h, np.nan)
+        if zeroed:
+            emb = np.zeros_like(emb)
+        a.update(fm_emb=emb, tier=tier, fm_age_h=age.astype(np.float32))
+        return a, emb.shape[1]
+
+
+def build_table(data, protocol, served: pa.Table, fm_cache: dict) -> Table:
+    """Aligns the replay's served rows and the FM cache with the training rows.
+
+    Args:
+        data: ``training.load_dataset(root, cuts=(valid_from, t2))`` (its index covers the whole log).
+        served: the replay's ``served.parquet`` (rows of [t1, t3)).
+        fm_cache: {"ts", "users", "items", "logit", "code"} for the rows of [t1, t3) (``fm_outputs``).
+    """
+    t0_us = protocol.t0.value // 1000
+    parts = [data.train, data.valid, data.test]
+    users = np.concatenate([p.users for p in parts])
+    items = np.concatenate([p.items for p in parts])
+    ts = np.concatenate([p.ts for p in parts])
+    labels = np.concatenate([p.label for p in parts])
+    split = np.concatenate([np.full(len(p), k, np.int8) for k, p in enumerate(parts)])
+    keep = ts >= t0_us
+    users, items, ts, labels, split = users[keep], items[keep], ts[keep], labels[keep], split[keep]
+    counters = data.index.counters(users, items, ts)
+    n = len(users)
+    key = pd.DataFrame({"user_id": users, "item_id": items, "ts": ts, "row": np.arange(n)})
+    s = pd.DataFrame({"user_id": served.column("user_id").to_numpy(), "item_id": served.column("item_id").to_numpy(),
+                      "ts": served.column("event_timestamp").cast(pa.int64()).to_numpy(), "srow": np.arange(
+                          served.num_rows)}).drop_duplicates(["user_id", "item_id", "ts"])
+    m = key.merge(s, on=["user_id", "item_id", "ts"], how="inner")
+    dim = served.schema.field("embedding").type.list_size
+    served_emb = np.zeros((n, dim), np.float32)
+    served_tier = np.full(n, TIER_NONE, np.int64)
+    served_age = np.full(n, np.nan)
+    emb_all = served.column("embedding").combine_chunks().flatten().to_numpy().reshape(-1, dim)
+    served_emb[m.row] = emb_all[m.srow]
+    served_tier[m.row] = served.column("tier").to_numpy()[m.srow]
+    served_age[m.row] = served.column("age_s").to_numpy(zero_copy_only=False)[m.srow] / 3600.0
+    f = pd.DataFrame({"user_id": fm_cache["users"], "item_id": fm_cache["items"], "ts": fm_cache["ts"],
+                      "frow": np.arange(len(fm_cache["ts"]))}).drop_duplicates(["user_id", "item_id", "ts"])
+    mf = key.merge(f, on=["user_id", "item_id", "ts"], how="inner")
+    oracle = np.zeros((n, fm_cache["code"].shape[1]), np.float32)
+    fm_logit = np.full(n, np.nan, np.float32)
+    oracle[mf.row] = fm_cache["code"][mf.frow]
+    fm_logit[mf.row] = fm_cache["logit"][mf.frow]
+    return Table(users, items, ts, labels, counters, split, served_emb, served_tier, served_age, oracle, fm_logit,
+                 data.user_side, data.item_side, data.tables)
+
+
+def fm_outputs(data, fm_path, ae_path, protocol, cache: Path) -> dict:
+    """The FM's logit and its autoencoder code at each row's own time, for every row of [t1, t3) (the oracle, KD's
+    soft labels and the FM's own test loss); cached per FM and AE version."""
+    import torch
+
+    from models import load_checkpoint
+    from solaris_jobs.training import predict
+    fm, fm_meta = load_checkpoint(fm_path, kind="fm")
+    ae, ae_meta = load_checkpoint(ae_path, kind="ae")
+    path = Path(cache) / f"fm_outputs-{fm_meta['model_version']}-{ae_meta['model_version']}.npz"
+    t1_us = protocol.t1.value // 1000
+    if path.exists():
+        z = np.load(path)
+        return {k: z[k] for k in z.files}
+    ex = [p.subset(p.ts >= t1_us) for p in (data.train, data.valid, data.test)]
+    t0 = time.perf_counter()
+    outs = [predict(fm, e, batch_size=2048, outputs=("logit", "h")) for e in ex]
+    with torch.inference_mode():
+        codes = [ae.encode(torch.from_numpy(o["h"])).numpy() for o in outs]
+    res = {"users": np.concatenate([e.users for e in ex]), "items": np.concatenate([e.items for e in ex]),
+           "ts": np.concatenate([e.ts for e in ex]),
+           "logit": np.concatenate([o["logit"] for o in outs]).astype(np.float32),
+           "code": np.concatenate(codes).astype(np.float32)}
+    logger.info("FM outputs for %d rows in %.0fs", len(res["ts"]), time.perf_counter() - t0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **res)
+    tmp.replace(path)
+    return res
+
+
+def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, batch_size: int):
+    import torch
+
+    from models import VMConfig, VerticalModel
+    from solaris_jobs import training
+    a, fm_dim = tab.inputs(variant)
+    arr = training.Arrays(a, tab.labels)
+    data = SimpleNamespace(train=arr.subset(tab.split == 0), valid=arr.subset(tab.split == 1))
+    kd = {k: params[k] for k in ("kd_weight", "kd_temperature") if k in params}
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    model = VerticalModel(VMConfig(user_side=tab.user_side, item_side=tab.item_side, fm_dim=fm_dim,
+                                   fm_age=bool(fm_dim), dropout=params["dropout"], **kd))
+    model.users.set_tables(*tab.tables["user"])
+    model.items.set_tables(*tab.tables["item"])
+    cfg = training.TrainConfig(epochs=epochs, batch_size=batch_size, lr=params["lr"],
+                               weight_decay=params["weight_decay"], patience=1, seed=seed, device="cpu")
+    run = training.fit(model, data, cfg, f"{variant}")
+    valid = min(r["valid_bce"] for r in run["history"])
+    return model, valid, run, arr
+
+
+def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 2048, names=None,
+                   params_of: dict | None = None) -> dict:
+    """Trains each variant over its grid and keeps the point with the best validation BCE.
+
+    Args:
+        params_of: variant -> fixed hyperparameters (no search; the budget and cadence curves use the headline's
+            choice).
+
+    Returns:
+        {variant: {"params", "valid_bce", "grid": [(params, valid BCE)], "test_prob" (test rows), "seconds"}}.
+    """
+    from solaris_jobs.training import predict
+    names = list(names or VARIANTS)
+    out: dict = {}
+    for name in names:
+        t0 = time.perf_counter()
+        kd, base = VARIANTS[name][3], VARIANTS[name][4]
+        if params_of and name in params_of:
+            grid = [params_of[name]]
+        elif kd:
+            chosen = out[base]["params"] if base in out else BASE_GRID[0]
+            grid = [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in KD_GRID]
+        else:
+            grid = BASE_GRID
+        best = None
+        tried = []
+        for params in grid:
+            model, valid, run, arr = _fit_one(tab, name, params, seed, epochs, batch_size)
+            tried.append((params, valid))
+            if best is None or valid < best[1]:
+                best = (params, valid, model, arr, run["best_epoch"])
+        params, valid, model, arr, epoch = best
+        logit = predict(model, arr.subset(tab.split == 2), batch_size=8192)["logit"].astype(np.float64)
+        out[name] = {"params": params, "valid_bce": valid, "best_epoch": epoch,
+                     "grid": [{"params": p, "valid_bce": v} for p, v in tried],
+                     "test_prob": 1.0 / (1.0 + np.exp(-logit)), "seconds": round(time.perf_counter() - t0, 1)}
+        logger.info("variant %s (seed %d): valid BCE %.5f with %s (%d grid points, %.0fs)", name, seed, valid,
+                    json.dumps(params), len(grid), out[name]["seconds"])
+    return out
