@@ -3,8 +3,8 @@
 
 Every interval (hourly by default), after it closes: validate the interval's events, move serving misses into
 the offline store, select candidate pairs (request simulator, negative exclusion, VM verifier, misses forced in),
-run the FM on them, recompute user aggregates and neighbours, materialize all three into the online store, and
-report coverage and freshness. Each output is an Airflow Asset (`solaris_pair_embeddings`, ...), so other DAGs
+run the FM on them, recompute user aggregates and neighbours, report the interval's coverage as the serving client
+resolved it from the store it found, then materialize all three into the online store. Each output is an Airflow Asset (`solaris_pair_embeddings`, ...), so other DAGs
 can be scheduled on it.
 
 Configured by the environment of the workers: one settings object, built by `solaris_jobs.settings.Settings.from_env()`
@@ -50,8 +50,9 @@ DOCS = {
                   "`neighbours`.",
     "materialize": "Writes the interval's three views into the online store (Feast layout, per-view expiry). "
                    "Fails the task on any store error; only complete intervals are recorded.",
-    "report": "Coverage of the interval's actual events by the previous interval's features (pair, aggregate, "
-              "neighbour, none) and freshness; `<offline>/reports/end=.../report.json`.",
+    "report": "Coverage of the interval's logged requests as the serving client resolved them from the online "
+              "store the interval found (pair, aggregate, neighbour, none; TTL and model version applied), before "
+              "this refresh's features are written, and freshness; `<offline>/reports/end=.../report.json`.",
 }
 
 
@@ -132,4 +133,5 @@ with DAG(
     chain = first
     for t in spark_tasks:
         chain = chain >> t
-    chain >> materialize() >> report()
+    # The report serves the interval's requests again from the store they met, so it runs before materialize.
+    chain >> report() >> materialize()

@@ -72,14 +72,19 @@ def data_movielens(out, source, cache) -> None:
 @click.option("--seed", default=0, help="Random seed: same seed and parameters, same bytes.")
 @click.option("--start", default="2026-01-05T00:00:00Z", help="UTC start of the traffic.")
 @click.option("--chunk-users", default=50_000, help="Users simulated per chunk (bounds memory).")
-@click.option("--session-rate", default=0.3, help="Median sessions per user per day (log-normal).")
+@click.option("--session-rate", default=1.2, help="Median sessions per user per day (log-normal).")
 @click.option("--pool-size", default=40, help="Items in each user's slowly changing candidate pool.")
 @click.option("--pool-half-life-days", default=2.0, help="Half-life of a pool slot.")
-def data_synth(out, users, items, days, seed, start, chunk_users, session_rate, pool_size, pool_half_life_days):
+@click.option("--positive-rate", default=0.05, help="Share of positive labels (the label's bias is solved for it).")
+@click.option("--sequence-share", default=0.5,
+              help="Share of the label's signal variance that only a model of the user's history can see (0-1).")
+def data_synth(out, users, items, days, seed, start, chunk_users, session_rate, pool_size, pool_half_life_days,
+               positive_rate, sequence_share):
     """Ad-like synthetic traffic: returning users, recurring pairs, Zipf items, non-linear click labels."""
     from solaris_jobs.data import synth
     cfg = synth.SynthConfig(users=users, items=items, days=days, seed=seed, start=start, chunk_users=chunk_users,
-                            session_rate=session_rate, pool_size=pool_size, pool_half_life_days=pool_half_life_days)
+                            session_rate=session_rate, pool_size=pool_size, pool_half_life_days=pool_half_life_days,
+                            positive_rate=positive_rate, sequence_share=sequence_share)
     _echo_json(synth.generate(cfg, out, progress=sys.stderr.isatty()))
 
 
@@ -195,6 +200,50 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master) -> None:
         from solaris_jobs.demo_refresh import run_refresh_demo
         run_refresh_demo(workdir, workdir / "models" / f"seed{seed_list[0]}", intervals, last_end, master,
                          echo=click.echo)
+
+
+@main.command("evaluate")
+@click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
+              "data, checkpoints, replays and FM outputs are cached under it.")
+@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0).")
+@click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 3 days, one seed, "
+                                            "small models, no sweep (too small for the targets).")
+@click.option("--users", default=None, type=int, help="Synthetic users (default 5000; --quick 1000).")
+@click.option("--sequence-shares", default=None,
+              help="The sweep, comma-separated (default 0,0.25,0.5,0.75; 'none' to skip).")
+@click.option("--no-curves", is_flag=True, help="Skip the budget and cadence curves.")
+@click.option("--master", default="local[2]", help="Spark master for the replay.")
+@click.option("--fresh", is_flag=True, help="Delete --out first (otherwise unchanged steps are reused).")
+def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, master, fresh) -> None:
+    """The replay evaluation: models trained before t1, the refresh and the serving client walked over [t1, t3) as
+    production runs them, the ranker's VM trained on what was served; TR vs KD, coverage by tier and FM compute per
+    served row, with paired-bootstrap intervals. Writes report.json and report.md (with plots)."""
+    from dataclasses import replace
+
+    from solaris_jobs.evaluation import run as ev
+    if dataset == "movielens":
+        cfg = ev.movielens_config()
+        if quick:
+            cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
+    else:
+        cfg = ev.quick_config() if quick else ev.EvalConfig()
+    kw = {"spark_master": master}
+    if seeds:
+        kw["seeds"] = tuple(int(x) for x in seeds.split(","))
+    if users:
+        kw["synth"] = replace(cfg.synth, users=users)
+    if sequence_shares:
+        kw["sequence_shares"] = () if sequence_shares == "none" else tuple(float(x) for x in sequence_shares.split(","))
+    if no_curves:
+        kw["curves"] = False
+    report = ev.evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
+    click.echo(Path(out) / "report.md")
+    for p in report["summary"]:
+        click.echo(f"seed {p['seed']}: FM gain {100 * p['fm_gain_relative']:.2f}%, TR all tiers "
+                   f"{p['tr'].get('solaris')}, TR KD {p['tr'].get('vm_kd')}, coverage any tier "
+                   f"{p['coverage']['any_tier']:.3f}, pair/ceiling {p['coverage']['pair_of_ceiling']}, FM per row "
+                   f"{p['fm_per_row']}")
 
 
 def _settings_options(f):

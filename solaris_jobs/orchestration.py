@@ -22,7 +22,7 @@ from solaris_jobs.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-STEPS = ("validate", "drain_misses", *SPARK_STEPS, "materialize", "report")
+STEPS = ("validate", "drain_misses", *SPARK_STEPS, "report", "materialize")
 OUTPUTS = ("selection", "pair_embeddings", "user_aggregates", "neighbours")       # what makes an interval complete
 
 
@@ -79,46 +79,39 @@ def materialize(s: Settings, start, end, *, clock=None, views=None, always_check
 
 
 def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
-    """Coverage and freshness of the interval.
+    """Coverage and freshness of the interval, before its own features are written.
 
-    Coverage: of the interval's actual events (the requests that came), the share whose pair had an embedding
-    precomputed by the previous interval (ending at ``start``), else whose user had an aggregate, else a
-    neighbour embedding, else none. Freshness: how old the interval's features are now (the clock), and what the
-    online store holds. Written to ``<offline>/reports/end=.../report.json`` and returned.
+    Coverage: the interval's logged rows (its requests) served again through ``FeatureReader`` at their own times
+    from the online store as the interval found it (the DAG runs this step before ``materialize``): per tier the
+    share of rows, with every view's TTL, the embedding version of the current models and "nothing newer than the
+    request" applied, exactly as serving does (``replay.tier_summary``; the evaluation uses the same). Freshness:
+    the newest materialized interval and how old the interval's features are now (the clock). Written to
+    ``<offline>/reports/end=.../report.json`` and returned.
     """
+    from solaris_jobs import model_refs
     from solaris_jobs.materialize import materialized_intervals
+    from solaris_jobs.replay import Server, tier_summary
     start, end = interval(start, end)
     source = event_source(events, s.data)
-    ev = source.table(start, end, columns=["user_id", "item_id", "event_timestamp"]).to_pandas()
-
-    def keys(dataset, cols):
-        if not off.is_complete(s.offline, dataset, start):
-            return None
-        return off.read_table(s.offline, dataset, start, cols).to_pandas()
-
-    tiers = {"pair": 0, "user_aggregate": 0, "neighbour": 0, "none": 0}
-    previous = {"pair_embeddings": keys("pair_embeddings", ["user_id", "item_id"]),
-                "user_aggregates": keys("user_aggregates", ["user_id"]),
-                "neighbours": keys("neighbours", ["user_id"])}
-    if len(ev):
-        left = ev
-        for tier, name, on in (("pair", "pair_embeddings", ["user_id", "item_id"]),
-                               ("user_aggregate", "user_aggregates", ["user_id"]),
-                               ("neighbour", "neighbours", ["user_id"])):
-            if previous[name] is None or not len(left):
-                continue
-            hit = left.merge(previous[name].drop_duplicates(), on=on, how="left", indicator=True)["_merge"] == "both"
-            tiers[tier] = int(hit.sum())
-            left = left[~hit.to_numpy()]
-        tiers["none"] = len(ev) - sum(tiers.values())
-    stored = materialized_intervals(store(s))
+    ev = source.table(start, end, columns=["user_id", "item_id", "event_timestamp", "label", "request_id"])
+    cfg = store(s)
+    models = model_refs.resolve(s.models, ("fm", "ae"), s.precompute.history_len)
+    server = Server(ev, cfg, models.embedding_version, int(models.ae.config["d_code"]), env=None)
+    try:
+        server.serve_until(end)
+        served = server.metrics()["counts"]
+    finally:
+        server.close()
+    summary = tier_summary(server.tier, server.age)
+    stored = materialized_intervals(cfg)
     latest = max(stored) if stored else None
     now = (clock or wall_clock)()
-    out = {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": len(ev),
-           "previous_interval_available": previous["pair_embeddings"] is not None,
-           "coverage": {k: round(v / len(ev), 4) if len(ev) else None for k, v in tiers.items()},
-           "coverage_counts": tiers,
-           "materialized": end in stored, "latest_materialized_end": latest.isoformat() if latest else None,
+    out = {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": ev.num_rows,
+           "requests": server.n_requests, **summary,
+           "coverage": summary["coverage"] if ev.num_rows else {k: None for k in summary["coverage"]},
+           "embedding_version": models.embedding_version, "store": cfg.describe(),
+           "fail_open": int(served.get("fail_open", 0)),
+           "latest_materialized_end": latest.isoformat() if latest else None,
            "feature_age_hours_now": round((now - end).total_seconds() / 3600, 2)}
     off.write_report(s.offline, end, out)
     return out

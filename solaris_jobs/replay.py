@@ -95,7 +95,8 @@ def replay_store(folder: Path, project: str = "solaris_replay") -> StoreConfig:
 class Server:
     """Serves the logged requests of a period through ``FeatureReader``, in time order, and records what each row
     got: ``serve_until(t)`` serves every request before ``t`` not served yet; ``refresh`` is the refresh whose
-    outputs the store holds (recorded with each row)."""
+    outputs the store holds (recorded with each row). Misses (with ``misses_dir``) are written when
+    ``flush_misses`` is called: one file per refresh interval."""
 
     def __init__(self, events: pa.Table, store: StoreConfig, version: str, dim: int, env: dict,
                  misses_dir: str | None = None):
@@ -103,7 +104,7 @@ class Server:
         self.events, self.dim = events, dim
         self.reader = FeatureReader(store, version, dim, budget_ms=1000.0, cooldown_s=0.0,
                                     misses="auto" if misses_dir else None, misses_dir=misses_dir,
-                                    miss_queue_size=1_000_000, env=env)
+                                    miss_queue_size=1_000_000, env=env, miss_flush_s=3600.0)
         req = requests(events)
         self.ts, self.users, self.items = req["ts_us"].to_numpy(), req["user_id"].to_numpy(), req["item_id"].to_numpy()
         self.rows = req["row"].to_numpy()
@@ -152,6 +153,23 @@ class Server:
 
     def close(self) -> None:
         self.reader.close()
+
+
+TIER_NAMES = ("pair", "user_aggregate", "neighbour", "none")
+
+
+def tier_summary(tiers: np.ndarray, ages_s: np.ndarray) -> dict:
+    """The coverage definition every report uses: per tier, the rows ``FeatureReader`` served from it (count and
+    share) and the mean age of what it served (hours)."""
+    tiers = np.asarray(tiers)
+    n = len(tiers)
+    counts = {name: int((tiers == k).sum()) for k, name in enumerate(TIER_NAMES)}
+    ages = {}
+    for k, name in enumerate(TIER_NAMES[:3]):
+        a = np.asarray(ages_s)[tiers == k]
+        ages[name] = round(float(a.mean()) / 3600.0, 3) if len(a) else None
+    return {"coverage": {k: (v / n if n else None) for k, v in counts.items()}, "coverage_counts": counts,
+            "age_hours": ages}
 
 
 def _write(out: Path, server: Server, result: dict) -> dict:

@@ -221,7 +221,7 @@ class FeatureReader:
 
     def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
                  cooldown_s: float = 1.0, misses="auto", misses_dir: str | Path | None = None,
-                 miss_queue_size: int = 10_000, env=None):
+                 miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5):
         self.cfg, self.version, self.dim = cfg, model_version, dim
         self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
         self.views = views(env)
@@ -234,7 +234,7 @@ class FeatureReader:
         if misses == "auto":
             misses = RedisStreamSink(cfg) if cfg.kind == "redis" else (ParquetSink(misses_dir) if misses_dir
                                                                        else None)
-        self.misses = MissQueue(misses, self.metrics, miss_queue_size) if misses is not None else None
+        self.misses = MissQueue(misses, self.metrics, miss_queue_size, miss_flush_s) if misses is not None else None
         self._suffix = cfg.project.encode() if cfg.kind == "redis" else b""     # Feast's Redis keys end so
 
         def fields(v):

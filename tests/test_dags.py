@@ -63,7 +63,8 @@ def test_dag_integrity(airflow_env, monkeypatch):
     assert bag.import_errors == {}
     dag = bag.get_dag("solaris_refresh")
     assert "solaris" in dag.tags and dag.max_active_runs == 1 and dag.doc_md
-    order = ["validate", "drain_misses", "select", "embed", "aggregate", "neighbours", "materialize", "report"]
+    # The report serves the interval's requests from the store they met: before this interval's materialize.
+    order = ["validate", "drain_misses", "select", "embed", "aggregate", "neighbours", "report", "materialize"]
     assert sorted(dag.task_ids) == sorted(order)
     for a, b in zip(order, order[1:]):
         assert b in dag.get_task(a).downstream_task_ids, (a, b)
@@ -127,7 +128,9 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
     assert end in materialized_intervals(cfg)
     from solaris_jobs import offline as off
     report = off.read_report(offline, end)
-    assert report["materialized"] and report["interval_end"] == end.isoformat()
+    assert report["interval_end"] == end.isoformat() and report["fail_open"] == 0
+    # Coverage counts every logged row of the interval once, by the tier the reader served it.
+    assert sum(report["coverage_counts"].values()) == report["events"]
     pairs = pd.read_parquet(offline / "pair_embeddings")
     user = int(pairs.user_id.iloc[0])
     mine = pairs[pairs.user_id == user]

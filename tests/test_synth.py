@@ -44,7 +44,11 @@ def test_traffic_shape(synth_root, synth_cfg):
     assert df["label"].notna().all()
     sizes = df.groupby("request_id").agg(n=("item_id", "size"), t=("event_timestamp", "nunique"))
     assert (sizes["n"] == synth_cfg.n_pool + synth_cfg.n_fresh).all() and (sizes["t"] == 1).all()
-    assert 0.05 < m["positive_rate"] < 0.5
+    # Ad-like: the positive rate is the one asked for (the label's bias is solved on a pilot of the users).
+    assert abs(m["positive_rate"] - synth_cfg.positive_rate) < 0.015
+    assert m["calibration"]["bias"] < -2 and 0 < m["calibration"]["sd_d"]
+    # ERCache (arXiv 2410.06497): about 3 in 4 of a user's consecutive requests come within 10 minutes.
+    assert 0.6 < m["consecutive_requests_within_10min"] < 0.95
     # Pairs recur (the manifest's figure is recomputed from the log), users return in sessions.
     rec, rows = synth.pair_recurrence(ev.read_events(synth_root))
     assert rows == len(df) and abs(rec / rows - m["pair_recurrence_24h"]) < 1e-12
@@ -57,6 +61,24 @@ def test_traffic_shape(synth_root, synth_cfg):
     assert counts[: max(1, synth_cfg.items // 100)].sum() / counts.sum() > 0.05
     users = ev.read_side(synth_root, "users")
     assert len(users) == synth_cfg.users and users["segment"].between(1, synth_cfg.categories).all()
+
+
+def test_sequence_share_moves_the_label_signal_and_bad_parameters_are_named(tmp_path, synth_cfg):
+    """At share 0 the sequence part has no weight: the labels do not depend on fatigue or interest at all, so two
+    logs that differ only in the sequence part's own scale give the same labels; at share 1 they differ."""
+    import pytest
+    small = replace(synth_cfg, users=60, days=1, chunk_users=60, calibration_users=60)
+
+    def labels(share, scale):
+        cfg = replace(small, sequence_share=share)
+        world = synth._World(cfg)
+        calib = synth.calibrate(cfg, world)
+        calib = replace(calib, sd_d=calib.sd_d * scale)
+        return synth._generate_chunk(cfg, world, 0, cfg.users, calib).column("label").to_numpy()
+    assert np.array_equal(labels(0.0, 1.0), labels(0.0, 3.0))
+    assert not np.array_equal(labels(1.0, 1.0), labels(1.0, 3.0))
+    with pytest.raises(ValueError, match="positive_rate = 1.5"):
+        replace(small, positive_rate=1.5)
 
 
 def test_pair_recurrence_counts_only_strictly_earlier_rows():

@@ -9,6 +9,7 @@ ratio over a gap that may be nothing is not a result).
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 EPS = 1e-7
 
@@ -123,3 +124,14 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
                             "value": out["variants"][solaris]["tr"] - factor * out["variants"][kd]["tr"],
                             "ci": (lo, hi), "met": bool(lo > 0)}
     return out
+
+
+def pair_ceiling(log_users, log_items, log_ts, users, items, ts, first_cutoff: int, every: int) -> np.ndarray:
+    """Per row (users, items, ts; microseconds), whether its pair had been shown (is in the log) before the last
+    refresh at or before the row's time: refreshes at ``first_cutoff + k * every``. The share of such rows is the
+    pair-coverage ceiling of the data: no refresh can have embedded a pair it never saw."""
+    first = pd.DataFrame({"u": log_users, "i": log_items, "t": log_ts}).groupby(["u", "i"])["t"].min()
+    seen = first.reindex(pd.MultiIndex.from_arrays([np.asarray(users), np.asarray(items)])).to_numpy()
+    ts = np.asarray(ts, np.int64)
+    last_refresh = first_cutoff + (ts - first_cutoff) // every * every
+    return np.nan_to_num(seen, nan=np.inf) < last_refresh

@@ -119,18 +119,7 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict) -> Table:
     counters = data.index.counters(users, items, ts)
     n = len(users)
     key = pd.DataFrame({"user_id": users, "item_id": items, "ts": ts, "row": np.arange(n)})
-    s = pd.DataFrame({"user_id": served.column("user_id").to_numpy(), "item_id": served.column("item_id").to_numpy(),
-                      "ts": served.column("event_timestamp").cast(pa.int64()).to_numpy(), "srow": np.arange(
-                          served.num_rows)}).drop_duplicates(["user_id", "item_id", "ts"])
-    m = key.merge(s, on=["user_id", "item_id", "ts"], how="inner")
-    dim = served.schema.field("embedding").type.list_size
-    served_emb = np.zeros((n, dim), np.float32)
-    served_tier = np.full(n, TIER_NONE, np.int64)
-    served_age = np.full(n, np.nan)
-    emb_all = served.column("embedding").combine_chunks().flatten().to_numpy().reshape(-1, dim)
-    served_emb[m.row] = emb_all[m.srow]
-    served_tier[m.row] = served.column("tier").to_numpy()[m.srow]
-    served_age[m.row] = served.column("age_s").to_numpy(zero_copy_only=False)[m.srow] / 3600.0
+    served_emb, served_tier, served_age = _served_arrays(key, served)
     f = pd.DataFrame({"user_id": fm_cache["users"], "item_id": fm_cache["items"], "ts": fm_cache["ts"],
                       "frow": np.arange(len(fm_cache["ts"]))}).drop_duplicates(["user_id", "item_id", "ts"])
     mf = key.merge(f, on=["user_id", "item_id", "ts"], how="inner")
@@ -140,6 +129,33 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict) -> Table:
     fm_logit[mf.row] = fm_cache["logit"][mf.frow]
     return Table(users, items, ts, labels, counters, split, served_emb, served_tier, served_age, oracle, fm_logit,
                  data.user_side, data.item_side, data.tables)
+
+
+def _served_arrays(key: pd.DataFrame, served: pa.Table):
+    """The served embedding, tier and age (hours) of each row of ``key`` (user_id, item_id, ts, row); rows the
+    replay did not serve (before t1) get zeros and tier none."""
+    n = len(key)
+    s = pd.DataFrame({"user_id": served.column("user_id").to_numpy(), "item_id": served.column("item_id").to_numpy(),
+                      "ts": served.column("event_timestamp").cast(pa.int64()).to_numpy(), "srow": np.arange(
+                          served.num_rows)}).drop_duplicates(["user_id", "item_id", "ts"])
+    m = key.merge(s, on=["user_id", "item_id", "ts"], how="inner")
+    dim = served.schema.field("embedding").type.list_size
+    emb = np.zeros((n, dim), np.float32)
+    tier = np.full(n, TIER_NONE, np.int64)
+    age = np.full(n, np.nan)
+    emb_all = served.column("embedding").combine_chunks().flatten().to_numpy().reshape(-1, dim)
+    emb[m.row] = emb_all[m.srow]
+    tier[m.row] = served.column("tier").to_numpy()[m.srow]
+    age[m.row] = served.column("age_s").to_numpy(zero_copy_only=False)[m.srow] / 3600.0
+    return emb, tier, age
+
+
+def build_table_like(tab: Table, served: pa.Table) -> Table:
+    """``tab`` with the served inputs of another replay of the same rows (a budget or cadence of the curves)."""
+    from dataclasses import replace
+    key = pd.DataFrame({"user_id": tab.users, "item_id": tab.items, "ts": tab.ts, "row": np.arange(len(tab.users))})
+    emb, tier, age = _served_arrays(key, served)
+    return replace(tab, served_emb=emb, served_tier=tier, served_age_h=age)
 
 
 def fm_outputs(data, fm_path, ae_path, protocol, cache: Path) -> dict:
@@ -196,10 +212,11 @@ def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, bat
 
 
 def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 2048, names=None,
-                   params_of: dict | None = None) -> dict:
+                   params_of: dict | None = None, grid_points: int = GRID_SIZE) -> dict:
     """Trains each variant over its grid and keeps the point with the best validation BCE.
 
     Args:
+        grid_points: the first this many points of each grid (the same number for every variant; tests use fewer).
         params_of: variant -> fixed hyperparameters (no search; the budget and cadence curves use the headline's
             choice).
 
@@ -216,9 +233,9 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
             grid = [params_of[name]]
         elif kd:
             chosen = out[base]["params"] if base in out else BASE_GRID[0]
-            grid = [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in KD_GRID]
+            grid = [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in KD_GRID[:grid_points]]
         else:
-            grid = BASE_GRID
+            grid = BASE_GRID[:grid_points]
         best = None
         tried = []
         for params in grid:

@@ -1,0 +1,66 @@
+"""Budget and cadence curves derived from one replay at the largest budget.
+
+A budgeted selection is one global ranking of the pool cut at ``ceil(budget x expected rows)`` (``precompute.
+select_budget``); the pool, the ranking and every embedding do not depend on the budget. So the selection at a
+smaller budget is the larger one's top ``ceil(b x expected rows)`` pairs, and the replay at that budget follows
+from it exactly: keep those pair embeddings, recompute the user aggregates over them with the aggregate job
+itself (``jobs.aggregate``) and the neighbour embeddings from the same neighbour lists (``precompute.
+neighbour_embeddings``), then serve the same requests again through ``FeatureReader`` with the refreshes visible
+when the replay made them visible (``replay.serve_again``). A cadence of m x the replay's takes every m-th refresh
+with m times the budget (the refresh at T sees the same log and pool; its budget covers m intervals' rows). Misses
+change nothing here: in a replay of a log, a missed pair is a logged pair, already in the pool as recently ranked.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from solaris_jobs import jobs
+from solaris_jobs import offline as off
+from solaris_jobs import precompute as pc
+from solaris_jobs import replay
+from solaris_jobs.model_refs import ModelSet
+from solaris_jobs.settings import Settings
+
+
+def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.ReplayPlan, events, out: Path,
+           budget: float, every: int = 1) -> dict:
+    """A replay at ``budget`` FM inferences per served row and a cadence of ``every`` x the base replay's, from the
+    base replay's outputs (``s.offline``) and record.
+
+    Raises:
+        ValueError: the base replay selected fewer pairs than the derived budget needs (run it at a larger budget).
+    """
+    out = Path(out)
+    derived = s.override(offline=str(out / "offline"))
+    period = plan.every * every
+    visible = []
+    for k, r in enumerate(record["refreshes"]):
+        if k % every:
+            continue
+        T = pd.Timestamp(r["cutoff"])
+        n_keep = int(math.ceil(budget * r["expected_rows"] * every))
+        if n_keep > r["pairs_selected"] and r["pairs_selected"] == r["budget_pairs"]:
+            raise ValueError(f"refresh {T}: a budget of {budget}/row at {every}x the cadence needs {n_keep} pairs; "
+                             f"the base replay selected {r['pairs_selected']}")
+        keep = (off.read_interval(spark, s.offline, "selection", T)
+                .where(f"selected AND priority_rank <= {n_keep}").select("user_id", "item_id"))
+        pairs = off.read_interval(spark, s.offline, "pair_embeddings", T).join(keep, ["user_id", "item_id"],
+                                                                              "left_semi")
+        staged = off.stage(pairs, derived.offline, "pair_embeddings", T)
+        n = spark.read.parquet(staged.path).count()
+        staged.publish({"interval_end": T.isoformat(), "derived_from": s.offline, "budget_per_row": budget,
+                        "budget_pairs": n_keep, "pairs": n, "models": models.to_dict()})
+        jobs.aggregate(spark, derived, T - period, T, models=models, clock=lambda T=T: T)
+        lists = off.read_interval(spark, s.offline, "neighbours", T).select("user_id", "neighbour_ids",
+                                                                           "similarities")
+        agg = off.read_interval(spark, derived.offline, "user_aggregates", T)
+        off.write_interval(pc.neighbour_embeddings(lists, agg, T, models.embedding_version), derived.offline,
+                           "neighbours", T, {"interval_end": T.isoformat(), "derived_from": s.offline})
+        visible.append((T, pd.Timestamp(r["visible_at"])))
+    dplan = replay.ReplayPlan(plan.start, plan.end, period, plan.delay, plan.ttls)
+    res = replay.serve_again(derived, models, dplan, events, visible, out)
+    res.update(budget_per_row=budget, cadence=str(period), derived_from=str(s.offline))
+    return res

@@ -1,0 +1,266 @@
+"""The evaluation's readable report: ``report.md`` beside ``report.json``, with PNG plots (matplotlib, Agg)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TIERS = ("pair", "user_aggregate", "neighbour", "none")
+LABELS = {"vm": "VM", "vm_kd": "VM + KD", "tiers_only": "VM + tier/age only (embeddings zeroed)",
+          "pair": "VM + SOLARIS, pair tier", "pair_agg": "VM + SOLARIS, pair + aggregate",
+          "solaris": "VM + SOLARIS, all tiers", "solaris_kd": "VM + SOLARIS all tiers + KD",
+          "oracle": "VM + FM code for every row (100% coverage oracle)", "fm": "FM"}
+ORDER = ("vm", "vm_kd", "tiers_only", "pair", "pair_agg", "solaris", "solaris_kd", "oracle", "fm")
+
+
+def _f(x, nd=4) -> str:
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return "-"
+    return f"{x:.{nd}f}"
+
+
+def _ci(ci, nd=3) -> str:
+    if not ci or ci[0] is None:
+        return ""
+    return f" [{_f(ci[0], nd)}, {_f(ci[1], nd)}]"
+
+
+def _plots(report: dict, out: Path) -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    files = {}
+    first = report["per_seed"][0]
+    cov = first["headline"]["coverage"]
+
+    # 1. Tier shares over time (served training day and test day), seed 0.
+    per = cov["served_training"].get("per_interval", []) + cov["test"].get("per_interval", [])
+    if per:
+        fig, ax = plt.subplots(figsize=(8, 3.2))
+        x = np.arange(len(per))
+        bottom = np.zeros(len(per))
+        for t in TIERS:
+            v = np.array([p[t] for p in per])
+            ax.bar(x, v, bottom=bottom, width=1.0, label=t)
+            bottom += v
+        n_train = len(cov["served_training"].get("per_interval", []))
+        ax.axvline(n_train - 0.5, color="k", lw=1)
+        ax.text(n_train, 1.02, "test", fontsize=8)
+        ax.set_xlabel(f"refresh interval from t1 ({report['config']['cadence']} each)")
+        ax.set_ylabel("share of served rows")
+        ax.set_ylim(0, 1.08)
+        ax.legend(fontsize=7, ncol=4, loc="lower right")
+        ax.set_title("Tier served per row, through FeatureReader (seed %d)" % first["seed"], fontsize=9)
+        files["tiers_over_time"] = _save(fig, out / "tiers_over_time.png")
+
+    curves = first.get("curves")
+    if curves and curves.get("budget"):
+        pts = curves["budget"]
+        fmr = [p["fm"]["per_row"] for p in pts]
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot(fmr, [p["coverage"]["shares"]["pair"] for p in pts], "o-", label="pair tier")
+        ax.plot(fmr, [p["coverage"]["any_tier"] for p in pts], "s-", label="any tier")
+        ax.plot(fmr, [p["coverage"]["ceiling"] for p in pts], "k--", lw=1, label="pair ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("FM inferences per served row")
+        ax.set_ylabel("share of test rows")
+        ax.legend(fontsize=8)
+        ax.set_title("Coverage vs FM compute", fontsize=9)
+        files["coverage_vs_budget"] = _save(fig, out / "coverage_vs_budget.png")
+
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        tr = [p["solaris"]["tr"] for p in pts]
+        ok = [t is not None for t in tr]
+        if any(ok):
+            xs = [p["coverage"]["any_tier"] for p, o in zip(pts, ok) if o]
+            ys = [t for t in tr if t is not None]
+            lo = [p["solaris"]["tr_ci"][0] for p, o in zip(pts, ok) if o]
+            hi = [p["solaris"]["tr_ci"][1] for p, o in zip(pts, ok) if o]
+            ax.errorbar(xs, ys, yerr=[np.array(ys) - lo, np.array(hi) - ys], fmt="o-", capsize=3, label="all tiers")
+            xp = [p["coverage"]["shares"]["pair"] for p, o in zip(pts, ok) if o]
+            ax.plot(xp, ys, "x:", label="(same points vs pair coverage)")
+            for p, x, y in zip([p for p, o in zip(pts, ok) if o], xs, ys):
+                ax.annotate(f"{p['budget_per_row']:g}/row", (x, y), fontsize=7)
+        ax.set_xlabel("coverage of test rows")
+        ax.set_ylabel("TR (BCE)")
+        ax.legend(fontsize=8)
+        ax.set_title("Transfer ratio vs coverage (budget curve)", fontsize=9)
+        files["tr_vs_coverage"] = _save(fig, out / "tr_vs_coverage.png")
+
+    if curves and curves.get("fast_cadence"):
+        fc = curves["fast_cadence"]["coverage"]
+        names = list(fc)
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        x = np.arange(len(names))
+        ax.bar(x - 0.2, [fc[n]["shares"]["pair"] for n in names], 0.4, label="pair tier")
+        ax.bar(x + 0.2, [fc[n]["any_tier"] for n in names], 0.4, label="any tier")
+        ax.set_xticks(x, names)
+        ax.set_xlabel("refresh cadence (same budget per served row)")
+        ax.set_ylabel("share of rows")
+        ax.legend(fontsize=8)
+        ax.set_title("Coverage vs cadence (test hours of the fast replay)", fontsize=9)
+        files["coverage_vs_cadence"] = _save(fig, out / "coverage_vs_cadence.png")
+
+    # TR per variant with intervals, every seed.
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = [v for v in ORDER if v not in ("vm", "fm")]
+    for j, r in enumerate(report["per_seed"]):
+        vs = r["headline"]["test"]["variants"]
+        ys = [vs[n]["tr"] if vs.get(n) else None for n in names]
+        x = np.arange(len(names)) + (j - (len(report["per_seed"]) - 1) / 2) * 0.18
+        for xi, n, y in zip(x, names, ys):
+            if y is None:
+                continue
+            lo, hi = vs[n]["tr_ci"]
+            ax.errorbar([xi], [y], yerr=[[y - lo], [hi - y]], fmt="o", color=f"C{j}", capsize=2,
+                        label=f"seed {r['seed']}" if n == names[0] else None)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(names)), [LABELS[n].replace("VM + ", "").replace("SOLARIS, ", "")[:22]
+                                          for n in names], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("TR (BCE), 95% interval")
+    ax.legend(fontsize=7)
+    ax.set_title("Transfer ratio per variant (test)", fontsize=9)
+    files["tr_per_variant"] = _save(fig, out / "tr_per_variant.png")
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path.name
+
+
+def markdown(report: dict, files: dict) -> str:
+    cfg, P = report["config"], report["protocol"]
+    L = [f"# SOLARIS replay evaluation: {report['dataset']}", ""]
+    L.append(f"Protocol: FM, autoencoder and verifier trained on [{P['t0']}, {P['t1']}) (early stopping from "
+             f"{P['fm_valid_from']}); replay of [{P['t1']}, {P['t3']}) every {cfg['cadence']}; VMs trained on "
+             f"[{P['t0']}, {P['valid_from']}), validated on [{P['valid_from']}, {P['t2']}), tested on "
+             f"[{P['t2']}, {P['t3']}). Seeds {report['seeds']}. Headline: budget {cfg['budget']} FM inferences "
+             f"per served row, TTLs pair {cfg['ttl_pair']} / aggregate {cfg['ttl_aggregate']} / neighbour "
+             f"{cfg['ttl_neighbour']}, pool = pairs ranked in the last {cfg['recent_hours']:g} h + "
+             f"{cfg['n_candidates']} simulator candidates per active user + misses, priority "
+             f"{cfg['select_priority']}, visibility delay {cfg['delay']}.")
+    L.append("")
+    L.append("## Targets")
+    L.append("")
+    t = report["targets"]
+    L.append("| seed | FM beats VM >= 2% | TR(all tiers) >= 0.3 | TR >= 1.5 x TR(KD) (paired bound) | "
+             "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row |")
+    L.append("|---|---|---|---|---|---|---|")
+    yes = lambda b: "yes" if b else "**no**"
+    for p in t["per_seed"]:
+        L.append(f"| {p['seed']} | {yes(p['fm_beats_vm_by_2pct'])} | {yes(p['tr_solaris_at_least_0.3'])} | "
+                 f"{yes(p['tr_solaris_at_least_1.5x_kd'])} | {yes(p['pair_at_least_80pct_of_ceiling'])} | "
+                 f"{yes(p['any_tier_at_least_90pct'])} | {yes(p['fm_per_row_at_most_1'])} |")
+    L.append("")
+    L.append("## Test results per seed")
+    for r in report["per_seed"]:
+        h = r["headline"]
+        te = h["test"]
+        L.append("")
+        L.append(f"### Seed {r['seed']}: {te['rows']} test rows, {te['users']} users "
+                 f"({h['returning_test_users']} returning); FM - VM gap {_f(te['gap']['value'], 5)}"
+                 f"{_ci(te['gap']['ci'], 5)} ({100 * te['gap']['relative']:.2f}% of VM BCE); "
+                 f"TR quoted: {te['tr_quoted']}")
+        L.append("")
+        L.append("| variant | test BCE [95%] | AUC | TR [95%] |")
+        L.append("|---|---|---|---|")
+        for n in ORDER:
+            v = te["variants"].get(n)
+            if v is None:
+                continue
+            L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['auc'], 4)} | "
+                     f"{_f(v['tr'], 3)}{_ci(v['tr_ci'])} |")
+        c = te.get("criterion")
+        if c:
+            L.append("")
+            L.append(f"{c['statistic']} = {_f(c['value'], 3)}{_ci(c['ci'])}: {'met' if c['met'] else 'not met'}.")
+        cov = h["coverage"]["test"]
+        L.append("")
+        L.append(f"Coverage of the test rows (through FeatureReader): pair {_f(cov['shares']['pair'], 3)}, user "
+                 f"aggregate {_f(cov['shares']['user_aggregate'], 3)}, neighbour {_f(cov['shares']['neighbour'], 3)}, "
+                 f"none {_f(cov['shares']['none'], 3)}; any tier {_f(cov['any_tier'], 3)}. Pair ceiling (pair shown "
+                 f"before the last refresh) {_f(cov['ceiling'], 3)}: pair tier = {_f(cov['pair_of_ceiling'], 3)} "
+                 f"of it. FM inferences per served row {_f(r['fm_per_row']['per_row'], 3)} "
+                 f"({r['fm_per_row']['fm_inferences']} for {r['fm_per_row']['served_rows']} rows).")
+        ages = ", ".join(f"{k} mean {_f(v['mean_h'], 2)} h (p90 {_f(v['p90_h'], 2)})" for k, v in cov["age"].items()
+                         if v)
+        L.append(f"Age of what was served: {ages}.")
+        L.append("")
+        L.append("Tier shares of training, validation and test rows (train on what is served):")
+        L.append("")
+        L.append("| rows | " + " | ".join(TIERS) + " |")
+        L.append("|---|" + "---|" * len(TIERS))
+        for k, sh in h["tier_shares_side_by_side"].items():
+            L.append(f"| {k} | " + " | ".join(_f(sh[t], 3) for t in TIERS) + " |")
+        L.append("")
+        L.append("TR of all tiers (and KD) per tier served and per segment:")
+        L.append("")
+        L.append("| rows | n | FM - VM gap [95%] | TR all tiers [95%] | TR KD [95%] |")
+        L.append("|---|---|---|---|---|")
+        for group in ("per_tier", "segments"):
+            for k, sm in h[group].items():
+                if not sm.get("rows") or sm.get("gap") is None:
+                    continue
+                s_ = sm["variants"]["solaris"]
+                kd = sm["variants"]["vm_kd"]
+                L.append(f"| {k} | {sm['rows']} | {_f(sm['gap']['value'], 5)}{_ci(sm['gap']['ci'], 5)} | "
+                         f"{_f(s_['tr'], 3)}{_ci(s_['tr_ci'])} | {_f(kd['tr'], 3)}{_ci(kd['tr_ci'])} |")
+    first = report["per_seed"][0]
+    if first.get("curves"):
+        cu = first["curves"]
+        L += ["", f"## Curves (seed {first['seed']}; the all-tiers VM with the headline's hyperparameters)", "",
+              "| budget (per served row, asked) | FM inferences per served row (used) | pair | any tier | "
+              "pair / ceiling | TR all tiers [95%] |", "|---|---|---|---|---|---|"]
+        for p in cu["budget"]:
+            L.append(f"| {p['budget_per_row']:g} | {_f(p['fm']['per_row'], 3)} | {_f(p['coverage']['shares']['pair'], 3)}"
+                     f" | {_f(p['coverage']['any_tier'], 3)} | {_f(p['coverage']['pair_of_ceiling'], 3)} | "
+                     f"{_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
+        L += ["", "| cadence | FM inferences per served row | pair | any tier | TR all tiers [95%] |",
+              "|---|---|---|---|---|"]
+        for p in cu["cadence"]:
+            L.append(f"| {p['cadence']} | {_f(p['fm']['per_row'], 3)} | {_f(p['coverage']['shares']['pair'], 3)} | "
+                     f"{_f(p['coverage']['any_tier'], 3)} | {_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
+        fc = cu.get("fast_cadence")
+        if fc:
+            L += ["", f"Fast cadence: its own replay, switching from hourly at {fc['switch_at']}; coverage of the test "
+                  f"rows in [{fc['window'][0]}, {fc['window'][1]}) (FM inferences per served row at "
+                  f"{report['config']['fast_cadence']}: {_f(fc['fast_fm_per_row'], 3)}):", "",
+                  "| cadence | pair | any tier | pair / ceiling |", "|---|---|---|---|"]
+            for k, c in fc["coverage"].items():
+                L.append(f"| {k} | {_f(c['shares']['pair'], 3)} | {_f(c['any_tier'], 3)} | "
+                         f"{_f(c['pair_of_ceiling'], 3)} |")
+    if report.get("sweep"):
+        L += ["", "## Sweep: share of the label signal only a sequence model can see (seed "
+              f"{report['seeds'][0]} each)", "",
+              "| sequence share | positive rate | VM BCE | FM BCE | FM gain | TR all tiers [95%] | TR KD [95%] | "
+              "TR - 1.5 TR(KD) [95%] |", "|---|---|---|---|---|---|---|---|"]
+        for s in report["sweep"]:
+            c = s["criterion"]
+            L.append(f"| {s['sequence_share']:g} | {_f(s['positive_rate'], 3)} | {_f(s['vm_bce'], 5)} | "
+                     f"{_f(s['fm_bce'], 5)} | {100 * s['fm_gain_relative']:.2f}% | {_f(s['tr'].get('solaris'), 3)}"
+                     f"{_ci(s['tr_ci'].get('solaris'))} | {_f(s['tr'].get('vm_kd'), 3)}{_ci(s['tr_ci'].get('vm_kd'))}"
+                     f" | {_f(c['value'], 3) if c else '-'}{_ci(c['ci']) if c else ''} |")
+    L += ["", "## Plots", ""]
+    for name, f in files.items():
+        L.append(f"![{name}]({f})")
+        L.append("")
+    L.append(f"Wall time: {report['timings']['total_s'] / 60:.1f} min (replays, training and serving included; "
+             "cached steps reused).")
+    return "\n".join(L) + "\n"
+
+
+def write(report: dict, out: Path) -> Path:
+    """Writes the plots and ``report.md`` under ``out``; returns the Markdown's path."""
+    out = Path(out)
+    files = _plots(report, out)
+    path = out / "report.md"
+    path.write_text(markdown(report, files))
+    logger.info("report: %s", path)
+    return path

@@ -1,0 +1,563 @@
+"""``solaris evaluate``: the whole replay evaluation of one data set, written to ``<out>/report.json`` (every number,
+the settings, the seeds and the protocol's dates) and ``<out>/report.md`` with its plots.
+
+Per seed (the seed varies the FM, the autoencoder, the verifier and the VMs; the data is fixed): train the models
+on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.replay``); derive the headline budget and
+cadence from it (``curves``); train the VM variants on what was served (``variants``); measure BCE, AUC and TR with
+paired-bootstrap intervals over users, overall, per tier and per segment, and coverage and cost through what
+``FeatureReader`` served. The budget and cadence curves and the 15-minute replay run for the first seed only; the
+sweep over the share of the label signal only a sequence model can see runs one seed per share.
+
+Everything expensive is cached under ``<out>`` (data, checkpoints, replays, FM outputs) and reused when its inputs
+are unchanged, so a rerun only redoes what changed; ``--fresh`` starts over.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from solaris_jobs.data.synth import SynthConfig
+from solaris_jobs.evaluation import curves, metrics, variants
+from solaris_jobs.evaluation.protocol import ModelsConfig, Protocol, by_days, by_quantiles, train_models
+from solaris_jobs.events import to_utc
+
+logger = logging.getLogger(__name__)
+
+TIER_NAMES = ("pair", "user_aggregate", "neighbour", "none")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything the evaluation's numbers depend on (written into report.json).
+
+    The headline settings (TTLs, cadence, budget, pool) are fixed here before any headline run; README and
+    BENCHMARKS say why each has its value.
+    """
+    dataset: str = "synth"
+    seeds: tuple = (0, 1, 2)
+    synth: SynthConfig = field(default_factory=lambda: SynthConfig(users=5_000, items=5_000, days=5, seed=0))
+    sequence_shares: tuple = (0.0, 0.25, 0.5, 0.75)       # the sweep (the headline is synth.sequence_share)
+    train_days: float = 3.0
+    served_days: float = 1.0
+    test_days: float = 1.0
+    valid_hours: float = 6.0
+    fm_valid_hours: float = 12.0
+    cadence: str = "1h"
+    delay: str = "10min"
+    ttl_pair: str = "24h"
+    ttl_aggregate: str = "24h"
+    ttl_neighbour: str = "24h"
+    aggregate_hours: float = 24.0
+    active_hours: float = 24.0
+    recent_hours: float = 24.0
+    budget: float = 0.5                                    # the headline: FM inferences per served row
+    budgets: tuple = (0.125, 0.25, 0.5, 1.0, 2.0)          # the curve; the replay runs at the largest
+    slow_cadence: int = 4                                  # 4 h: every 4th hourly refresh, 4x its budget
+    fast_cadence: str | None = "15min"                     # its own replay over the hours before and after t2
+    fast_hours_before: float = 6.0
+    fast_hours_after: float = 12.0
+    n_candidates: int = 20                                 # request-simulator candidates per active user
+    select_priority: str = "recency"
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    vm_epochs: int = 6
+    vm_batch_size: int = 2048
+    grid_points: int = variants.GRID_SIZE                  # per variant (the same for all)
+    n_boot: int = 1000
+    curves: bool = True
+    spark_master: str = "local[2]"
+
+    def key(self) -> dict:
+        d = asdict(self)
+        d.pop("spark_master")
+        return d
+
+
+def quick_config(**kw) -> EvalConfig:
+    """A few minutes on 2 cores (``make demo``, the tests): 1,000 synthetic users over 3 days, one seed, small
+    models, no sweep and no fast-cadence replay. Too small for the targets; the same code path as the full run."""
+    base = dict(synth=SynthConfig(users=1_000, items=1_000, days=3, seed=0), seeds=(0,), sequence_shares=(),
+                train_days=1.5, served_days=0.75, test_days=0.75, valid_hours=4.0, fm_valid_hours=6.0,
+                budgets=(0.25, 0.5, 1.0), fast_cadence=None, n_boot=200, vm_epochs=3,
+                models=ModelsConfig(d_model=32, n_layers=1, d_interaction=64, d_code=16, history_len=30,
+                                    fm_epochs=1, vm_epochs=3, max_train_rows=100_000))
+    return EvalConfig(**{**base, **kw})
+
+
+def movielens_config(**kw) -> EvalConfig:
+    """MovieLens-100K: the 80/10/10 time split of DESIGN.md (t1, t2 at the 80% and 90% quantiles); people rate in
+    bursts weeks apart, so a daily refresh with week-long windows and TTLs, and no sequence-share sweep."""
+    base = dict(dataset="movielens", cadence="1d", delay="10min", ttl_pair="7d", ttl_aggregate="7d",
+                ttl_neighbour="7d", aggregate_hours=168.0, active_hours=168.0, recent_hours=168.0,
+                slow_cadence=7, fast_cadence=None, sequence_shares=(),
+                models=ModelsConfig(max_train_rows=None, fm_epochs=3, vm_epochs=8, batch_size=256))
+    return EvalConfig(**{**base, **kw})
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def _data(cfg: EvalConfig, out: Path, share: float | None = None) -> Path:
+    """The data set (generated or converted once under ``out``)."""
+    from solaris_jobs.data import movielens, synth
+    if cfg.dataset == "movielens":
+        root = out / "data"
+        if not (root / "manifest.json").exists():
+            movielens.build(root)
+        return root
+    sc = cfg.synth if share is None else replace(cfg.synth, sequence_share=share)
+    root = out / f"data-seq{sc.sequence_share:g}"
+    stamp = root / "manifest.json"
+    if stamp.exists() and json.loads(stamp.read_text()).get("config") == json.loads(json.dumps(asdict(sc))):
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    synth.generate(sc, root)
+    return root
+
+
+def _protocol(cfg: EvalConfig, events: pa.Table) -> Protocol:
+    ts = events.column("event_timestamp").cast(pa.int64()).to_numpy()
+    if cfg.dataset == "movielens":
+        return by_quantiles(ts)
+    first = pd.Timestamp(int(ts.min()), unit="us", tz="UTC")
+    return by_days(first, cfg.train_days, cfg.served_days, cfg.test_days, cfg.valid_hours, cfg.fm_valid_hours)
+
+
+def _settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Path, budget: float):
+    from solaris_jobs.settings import PrecomputeConfig, Settings, SimulatorConfig
+    n = cfg.n_candidates
+    return Settings(data=str(root), offline=str(offline), models=str(models_dir), expire_from="event",
+                    spark_master=cfg.spark_master, spark_log_level="ERROR",
+                    precompute=PrecomputeConfig(
+                        active_hours=cfg.active_hours, lookback_days=None, recent_hours=cfg.recent_hours,
+                        budget_per_row=budget, select_priority=cfg.select_priority,
+                        # Negative exclusion drops pairs the ranker would not rank again; this log's retrieval
+                        # ranks them anyway, so excluding them would only cost coverage here.
+                        exclusion_runs=0, aggregate_hours=cfg.aggregate_hours,
+                        simulator=SimulatorConfig(n_candidates=n, n_popular=n // 2)))
+
+
+def _ttls(cfg: EvalConfig) -> dict:
+    return {"SOLARIS_TTL_PAIR_EMBEDDINGS": cfg.ttl_pair, "SOLARIS_TTL_USER_AGGREGATES": cfg.ttl_aggregate,
+            "SOLARIS_TTL_NEIGHBOURS": cfg.ttl_neighbour}
+
+
+def duration(td: pd.Timedelta) -> str:
+    """A duration as the settings write it: 15min, 4h, 1d."""
+    s = int(pd.Timedelta(td).total_seconds())
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s % n == 0:
+            return f"{s // n}{unit}"
+    return f"{s}s"
+
+
+def _cached_json(path: Path, key: dict):
+    if path.exists():
+        got = json.loads(path.read_text())
+        if got.get("key") == json.loads(json.dumps(key, default=str)):
+            return got
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ one seed
+
+@dataclass
+class SeedContext:
+    cfg: EvalConfig
+    root: Path
+    out: Path
+    protocol: Protocol
+    seed: int
+    events: object          # EventTable
+    spark: object
+
+
+def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget: float, warm=None) -> dict:
+    from solaris_jobs import replay
+    out = ctx.out / name
+    key = {"cfg": ctx.cfg.key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
+           "budget": budget, "root": str(ctx.root), "warm": str(warm)}
+    done = _cached_json(out / "done.json", key)
+    if done is not None and (out / "served.parquet").exists():
+        logger.info("reusing replay %s", out)
+        return json.loads((out / "replay.json").read_text())
+    if out.exists():
+        shutil.rmtree(out)
+    s = _settings(ctx.cfg, ctx.root, out / "offline", models_dir, budget)
+    store = None
+    if warm is not None:
+        store = warm(s, out)
+    rec = replay.run(ctx.spark, s, ctx.events, models, plan, out, store=store)
+    rec["budget_per_row"] = budget
+    (out / "replay.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    (out / "done.json").write_text(json.dumps({"key": key}, default=str) + "\n")
+    return rec
+
+
+def _derived(ctx: SeedContext, models, base_rec: dict, base_out: Path, plan, budget: float, every: int) -> Path:
+    out = ctx.out / f"derived-b{budget:g}-x{every}"
+    key = {"base": str(base_out), "base_wall": base_rec.get("wall_s"), "budget": budget, "every": every,
+           "models": models.to_dict()}
+    if _cached_json(out / "done.json", key) is not None and (out / "served.parquet").exists():
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    s = _settings(ctx.cfg, ctx.root, base_out / "offline", Path(models.fm.path).parent, base_rec["budget_per_row"])
+    curves.derive(ctx.spark, s, base_rec, models, plan, ctx.events, out, budget, every)
+    (out / "done.json").write_text(json.dumps({"key": key}, default=str) + "\n")
+    return out
+
+
+def _ceiling_and_segments(ctx: SeedContext, served: pa.Table, every: pd.Timedelta, table) -> dict:
+    """Per served row: whether its pair was shown before the last refresh (the pair-coverage ceiling), whether its
+    user was seen before t2 (returning), its user's history length."""
+    ev = ctx.events.table(ctx.protocol.t0, ctx.protocol.t3, ["user_id", "item_id", "event_timestamp"])
+    u = ev.column("user_id").to_numpy()
+    t = ev.column("event_timestamp").cast(pa.int64()).to_numpy()
+    su = served.column("user_id").to_numpy()
+    st = served.column("event_timestamp").cast(pa.int64()).to_numpy()
+    ceiling = metrics.pair_ceiling(u, ev.column("item_id").to_numpy(), t, su, served.column("item_id").to_numpy(),
+                                   st, ctx.protocol.t1.value // 1000, every.value // 1000)
+    first_user = pd.Series(t).groupby(u).min()
+    returning = first_user.reindex(su).to_numpy() < ctx.protocol.t2.value // 1000
+    return {"ceiling": ceiling, "returning": returning}
+
+
+def _coverage(served: pa.Table, mask: np.ndarray, extra: dict, protocol: Protocol, every: pd.Timedelta) -> dict:
+    """Tier shares, ages and the ceiling of the rows in ``mask``, overall and per refresh interval."""
+    tier = served.column("tier").to_numpy()[mask]
+    age_h = served.column("age_s").to_numpy(zero_copy_only=False)[mask] / 3600.0
+    n = int(mask.sum())
+    if not n:
+        return {"rows": 0}
+    shares = {name: float((tier == k).mean()) for k, name in enumerate(TIER_NAMES)}
+    ceil = extra["ceiling"][mask]
+    ages = {}
+    for k, name in enumerate(TIER_NAMES[:3]):
+        a = age_h[tier == k]
+        ages[name] = ({"mean_h": float(a.mean()), "p50_h": float(np.median(a)), "p90_h": float(np.quantile(a, 0.9))}
+                      if len(a) else None)
+    ts = served.column("event_timestamp").cast(pa.int64()).to_numpy()[mask]
+    t1_us, step = protocol.t1.value // 1000, every.value // 1000
+    slot = (ts - t1_us) // step
+    per = []
+    for s in np.unique(slot):
+        m = slot == s
+        per.append({"interval_start": pd.Timestamp(int(t1_us + s * step), unit="us", tz="UTC").isoformat(),
+                    "rows": int(m.sum()), **{name: float((tier[m] == k).mean()) for k, name in
+                                             enumerate(TIER_NAMES)}})
+    pair = shares["pair"]
+    return {"rows": n, "shares": shares, "any_tier": 1.0 - shares["none"], "ceiling": float(ceil.mean()),
+            "pair_of_ceiling": pair / float(ceil.mean()) if ceil.mean() > 0 else None,
+            "pair_within_ceiling": float((tier[ceil] == 0).mean()) if ceil.any() else None,
+            "age": ages, "per_interval": per,
+            "returning_share": float(extra["returning"][mask].mean())}
+
+
+def _fm_per_row(rec: dict, served: pa.Table, protocol: Protocol, derived_out: Path | None, spark) -> dict:
+    """FM inferences per served candidate row over the test: pairs embedded by the refreshes whose cutoffs lie in
+    [t2, t3), over the rows served in [t2, t3) (running the FM on every served row = 1.0)."""
+    ts = served.column("event_timestamp").cast(pa.int64()).to_numpy()
+    rows = int(((ts >= protocol.t2.value // 1000) & (ts < protocol.t3.value // 1000)).sum())
+    cut = lambda r: pd.Timestamp(r["cutoff"])
+    refreshes = [r for r in rec["refreshes"] if protocol.t2 <= cut(r) < protocol.t3]
+    if derived_out is None:
+        pairs = sum(r["pairs_embedded"] for r in refreshes)
+    else:
+        from solaris_jobs import offline as off
+        pairs = sum((off.read_stats(str(derived_out / "offline"), "pair_embeddings", cut(r)) or {}).get(
+            "pairs", 0) for r in refreshes)
+    return {"fm_inferences": int(pairs), "served_rows": rows, "per_row": pairs / rows if rows else None}
+
+
+def run_seed(ctx: SeedContext, share_label: str, with_curves: bool) -> dict:
+    """The headline numbers of one seed (and, with ``with_curves``, the budget and cadence curves)."""
+    from solaris_jobs import model_refs, replay, training
+    cfg, P = ctx.cfg, ctx.protocol
+    t_seed = time.perf_counter()
+    models_dir = ctx.out / "models"
+    model_metrics = train_models(ctx.root, P, ctx.seed, models_dir, cfg.models)
+    models = model_refs.resolve(models_dir, ("fm", "ae", "vm"))
+    every = pd.Timedelta(cfg.cadence)
+    plan = replay.ReplayPlan(P.t1, P.t3, every, pd.Timedelta(cfg.delay), _ttls(cfg))
+    # With the curves, one replay at the largest budget any point needs (the slow cadence takes m x the budget).
+    base_budget = max(max(cfg.budgets), cfg.budget * cfg.slow_cadence) if with_curves else cfg.budget
+    base_name = f"replay-b{base_budget:g}"
+    t0 = time.perf_counter()
+    base = _replay(ctx, models, models_dir, base_name, plan, base_budget)
+    replay_wall = time.perf_counter() - t0
+    base_out = ctx.out / base_name
+
+    def served_at(budget: float, mult: int = 1) -> tuple[pa.Table, Path | None]:
+        if budget == base_budget and mult == 1:
+            return replay.read_served(base_out), None
+        d = _derived(ctx, models, base, base_out, plan, budget, mult)
+        return replay.read_served(d), d
+
+    served, dout = served_at(cfg.budget)
+    data = training.load_dataset(str(ctx.root), models.history_len, cuts=(P.valid_from, P.t2))
+    cache = variants.fm_outputs(data, models.fm.path, models.ae.path, P, ctx.out / "cache")
+    tab = variants.build_table(data, P, served, cache)
+    del data
+    t0 = time.perf_counter()
+    fits = variants.train_variants(tab, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, grid_points=cfg.grid_points)
+    vm_wall = time.perf_counter() - t0
+    res = {"seed": ctx.seed, "models": model_metrics, "headline": _evaluate(ctx, tab, fits, served, every),
+           "fm_per_row": _fm_per_row(base, served, P, dout, ctx.spark),
+           "variants": {k: {kk: vv for kk, vv in v.items() if kk != "test_prob"} for k, v in fits.items()},
+           "replay": _replay_summary(base), "timings": {"replay_s": round(replay_wall, 1),
+                                                         "vm_variants_s": round(vm_wall, 1)}}
+    if with_curves:
+        res["curves"] = _curves(ctx, models, base, base_out, plan, tab, fits, served_at, every)
+    res["timings"]["seed_s"] = round(time.perf_counter() - t_seed, 1)
+    return res
+
+
+def _replay_summary(rec: dict) -> dict:
+    lat = [r["latency_s"] for r in rec["refreshes"]]
+    return {"refreshes": len(rec["refreshes"]), "rows": rec["rows"], "requests": rec["requests"],
+            "serving": rec["serving"]["counts"], "latency_s": {"mean": float(np.mean(lat)), "max": float(max(lat))},
+            "latency_over_delay": int(sum(r["latency_over_delay"] for r in rec["refreshes"])),
+            "wall_s": rec["wall_s"]}
+
+
+def _probs(tab, fits: dict) -> dict:
+    test = tab.split == 2
+    p = {k: v["test_prob"] for k, v in fits.items()}
+    p["fm"] = 1.0 / (1.0 + np.exp(-tab.fm_logit[test].astype(np.float64)))
+    return p
+
+
+def _evaluate(ctx: SeedContext, tab, fits: dict, served: pa.Table, every: pd.Timedelta) -> dict:
+    """Losses, TRs and coverage of the test rows, overall, per tier and per segment; tier shares of the training
+    rows beside the test rows (train on what is served)."""
+    P = ctx.protocol
+    test = tab.split == 2
+    y = tab.labels[test]
+    probs = _probs(tab, fits)
+    losses = {k: metrics.row_bce(y, p) for k, p in probs.items()}
+    users = tab.users[test]
+    boot = metrics.PairedBootstrap(users, ctx.cfg.n_boot, seed=ctx.seed)
+    summ = lambda mask=None: metrics.summarize_losses(losses, users, y, probs, mask=mask, boot=boot, kd="vm_kd",
+                                                       solaris="solaris")
+    out = {"test": summ()}
+    tier = tab.served_tier[test]
+    out["per_tier"] = {name: summ(tier == k) for k, name in enumerate(TIER_NAMES)}
+    extra = _ceiling_and_segments(ctx, served, every, tab)
+    # Align the served table's per-row flags with the table's test rows (same keys).
+    s_ts = served.column("event_timestamp").cast(pa.int64()).to_numpy()
+    key_s = pd.DataFrame({"u": served.column("user_id").to_numpy(), "i": served.column("item_id").to_numpy(),
+                          "t": s_ts, "ret": extra["returning"], "ceil": extra["ceiling"]}).drop_duplicates(
+        ["u", "i", "t"])
+    key_t = pd.DataFrame({"u": users, "i": tab.items[test], "t": tab.ts[test]}).merge(key_s, on=["u", "i", "t"],
+                                                                                      how="left")
+    returning = key_t["ret"].fillna(False).to_numpy(bool)
+    hist = tab.counters["user_cnt"][test]
+    out["segments"] = {"returning users": summ(returning), "new users": summ(~returning),
+                       "history 0": summ(hist == 0), "history 1-49": summ((hist >= 1) & (hist < 50)),
+                       "history 50+": summ(hist >= 50)}
+    in_test = (s_ts >= P.t2.value // 1000) & (s_ts < P.t3.value // 1000)
+    in_train = (s_ts >= P.t1.value // 1000) & (s_ts < P.t2.value // 1000)
+    out["coverage"] = {"test": _coverage(served, in_test, extra, P, every),
+                       "served_training": _coverage(served, in_train, extra, P, every)}
+    out["tier_shares_side_by_side"] = {
+        "training rows [t0, valid_from)": _shares(tab.served_tier[tab.split == 0]),
+        "validation rows [valid_from, t2)": _shares(tab.served_tier[tab.split == 1]),
+        "test rows [t2, t3)": _shares(tier)}
+    out["returning_test_users"] = int(len(np.unique(users[returning])))
+    return out
+
+
+def _shares(tier: np.ndarray) -> dict:
+    return {name: float((tier == k).mean()) if len(tier) else None for k, name in enumerate(TIER_NAMES)}
+
+
+def _curves(ctx: SeedContext, models, base: dict, base_out: Path, plan, tab, fits: dict, served_at, every) -> dict:
+    """TR and coverage against FM inferences per served row and against the cadence; the headline's chosen
+    hyperparameters for the all-tiers VM (no new search)."""
+    cfg, P = ctx.cfg, ctx.protocol
+    params = {"solaris": fits["solaris"]["params"]}
+    probs = _probs(tab, fits)
+    test = tab.split == 2
+    y = tab.labels[test]
+    users = tab.users[test]
+    boot = metrics.PairedBootstrap(users, cfg.n_boot, seed=ctx.seed)
+
+    def point(served: pa.Table, dout, label: dict, period: pd.Timedelta) -> dict:
+        t = variants.build_table_like(tab, served)
+        fit = variants.train_variants(t, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, ["solaris"], params)
+        p = {**probs, "solaris": fit["solaris"]["test_prob"]}
+        losses = {k: metrics.row_bce(y, p[k]) for k in ("vm", "fm", "solaris", "vm_kd")}
+        summ = metrics.summarize_losses(losses, users, y, p, boot=boot, kd="vm_kd", solaris="solaris")
+        extra = _ceiling_and_segments(ctx, served, period, t)
+        s_ts = served.column("event_timestamp").cast(pa.int64()).to_numpy()
+        cov = _coverage(served, (s_ts >= P.t2.value // 1000) & (s_ts < P.t3.value // 1000), extra, P, period)
+        cov.pop("per_interval", None)
+        return {**label, "fm": _fm_per_row(base, served, P, dout, ctx.spark), "coverage": cov,
+                "solaris": summ["variants"]["solaris"], "gap": summ["gap"]}
+
+    out = {"budget": [], "cadence": []}
+    for b in cfg.budgets:
+        served, dout = served_at(b)
+        out["budget"].append(point(served, dout, {"budget_per_row": b, "cadence": cfg.cadence}, every))
+    served, dout = served_at(cfg.budget, cfg.slow_cadence)
+    out["cadence"].append(point(served, dout, {"budget_per_row": cfg.budget, "cadence": duration(every * cfg.slow_cadence)},
+                                every * cfg.slow_cadence))
+    head = next(p for p in out["budget"] if p["budget_per_row"] == cfg.budget)
+    out["cadence"].append({**head, "cadence": cfg.cadence})
+    if cfg.fast_cadence:
+        out["fast_cadence"] = _fast_cadence(ctx, models, base, base_out, plan, tab, served_at)
+    return out
+
+
+def _fast_cadence(ctx: SeedContext, models, base: dict, base_out: Path, plan, tab, served_at) -> dict:
+    """The fast cadence as its own replay over [t2 - before, t2 + after), switching from the headline's hourly
+    refreshes (their outputs warm the store and the aggregates' window) to the fast cadence at t2 - before;
+    coverage of the test hours it covers, beside the hourly and slow cadences on the same rows."""
+    from solaris_jobs import offline as off
+    from solaris_jobs import replay
+    from solaris_jobs.materialize import materialize
+    cfg, P = ctx.cfg, ctx.protocol
+    switch = P.t2 - pd.Timedelta(hours=cfg.fast_hours_before)
+    stop = P.t2 + pd.Timedelta(hours=cfg.fast_hours_after)
+    fast = pd.Timedelta(cfg.fast_cadence)
+    head_served, head_dir = served_at(cfg.budget)
+    head_offline = str((head_dir or base_out) / "offline")
+    warm_refreshes = [r for r in base["refreshes"] if pd.Timestamp(r["cutoff"]) < switch]
+
+    def warm(s, out):
+        store = replay.replay_store(out / "online")
+        for r in warm_refreshes:
+            T = pd.Timestamp(r["cutoff"])
+            for ds in ("pair_embeddings", "user_aggregates", "neighbours"):
+                off.write_interval(off.read_table(head_offline, ds, T), s.offline, ds, T,
+                                   off.read_stats(head_offline, ds, T))
+            materialize(store, s.offline, T, expire_from="event", now=pd.Timestamp(r["visible_at"]),
+                        start=T - plan.every, env=dict(plan.ttls))
+        return store
+
+    fplan = replay.ReplayPlan(switch, stop, fast, plan.delay, plan.ttls)
+    t0 = time.perf_counter()
+    rec = _replay(ctx, models, Path(models.fm.path).parent, f"replay-fast-{cfg.fast_cadence}", fplan, cfg.budget,
+                  warm=warm)
+    wall = time.perf_counter() - t0
+    fast_served = replay.read_served(ctx.out / f"replay-fast-{cfg.fast_cadence}")
+    window = lambda t: (t.column("event_timestamp").cast(pa.int64()).to_numpy() >= P.t2.value // 1000) & (
+        t.column("event_timestamp").cast(pa.int64()).to_numpy() < stop.value // 1000)
+    rows = {}
+    for label, served, period in ((cfg.fast_cadence, fast_served, fast), (cfg.cadence, head_served, plan.every),
+                                  (duration(plan.every * cfg.slow_cadence), served_at(cfg.budget, cfg.slow_cadence)[0],
+                                   plan.every * cfg.slow_cadence)):
+        extra = _ceiling_and_segments(ctx, served, period, tab)
+        c = _coverage(served, window(served), extra, P, period)
+        c.pop("per_interval", None)
+        rows[label] = c
+    pairs = sum(r["pairs_embedded"] for r in rec["refreshes"] if pd.Timestamp(r["cutoff"]) >= P.t2)
+    n_rows = int(window(fast_served).sum())
+    return {"window": [P.t2.isoformat(), stop.isoformat()], "switch_at": switch.isoformat(), "coverage": rows,
+            "fast_fm_per_row": pairs / n_rows if n_rows else None, "replay": _replay_summary(rec),
+            "timings": {"replay_s": round(wall, 1)}}
+
+
+# ------------------------------------------------------------------------------------------------ the whole run
+
+TARGETS = {"fm_beats_vm_relative": 0.02, "tr_solaris_min": 0.3, "kd_factor": 1.5, "pair_of_ceiling_min": 0.8,
+           "any_tier_min": 0.9, "fm_per_row_max": 1.0}
+
+
+def _seed_summary(r: dict) -> dict:
+    t = r["headline"]["test"]
+    v = t["variants"]
+    return {"seed": r["seed"], "vm_bce": v["vm"]["bce"], "fm_bce": v["fm"]["bce"],
+            "fm_gain_relative": t["gap"]["relative"], "gap_ci": t["gap"]["ci"], "tr_quoted": t["tr_quoted"],
+            "tr": {k: x["tr"] for k, x in v.items()}, "tr_ci": {k: x["tr_ci"] for k, x in v.items()},
+            "criterion": t["criterion"], "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
+                                                      ("shares", "any_tier", "ceiling", "pair_of_ceiling")},
+            "fm_per_row": r["fm_per_row"]["per_row"]}
+
+
+def _targets(summaries: list[dict]) -> dict:
+    T = TARGETS
+    per = []
+    for s in summaries:
+        tr_s = s["tr"].get("solaris")
+        per.append({
+            "seed": s["seed"],
+            "fm_beats_vm_by_2pct": bool(s["fm_gain_relative"] >= T["fm_beats_vm_relative"] and s["tr_quoted"]),
+            "tr_solaris_at_least_0.3": bool(tr_s is not None and tr_s >= T["tr_solaris_min"]),
+            "tr_solaris_at_least_1.5x_kd": bool(s["criterion"] and s["criterion"]["met"]),
+            "pair_at_least_80pct_of_ceiling": bool((s["coverage"]["pair_of_ceiling"] or 0) >= T["pair_of_ceiling_min"]),
+            "any_tier_at_least_90pct": bool((s["coverage"]["any_tier"] or 0) >= T["any_tier_min"]),
+            "fm_per_row_at_most_1": bool(s["fm_per_row"] is not None and s["fm_per_row"] <= T["fm_per_row_max"])})
+    return {"targets": T, "per_seed": per,
+            "all_met": {k: all(p[k] for p in per) for k in (per[0] if per else {}) if k != "seed"}}
+
+
+def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
+    """Runs the evaluation into ``out`` and returns the report (also written as report.json and report.md)."""
+    from solaris_jobs import events as ev
+    from solaris_jobs import jobs
+    from solaris_jobs.evaluation import report as rep
+    from solaris_jobs.event_source import EventTable
+    from solaris_jobs.settings import Settings
+    out = Path(out).resolve()
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    spark = jobs.session(Settings(spark_master=cfg.spark_master, spark_log_level="ERROR",
+                                  spark_driver_memory="6g"), "evaluate")
+    root = _data(cfg, out)
+    table = ev.read_events(root)
+    protocol = _protocol(cfg, table)
+    events = EventTable(table, str(root))
+    seeds = []
+    for k, seed in enumerate(cfg.seeds):
+        ctx = SeedContext(cfg, root, out / f"seed{seed}", protocol, seed, events, spark)
+        seeds.append(run_seed(ctx, "headline", with_curves=cfg.curves and k == 0))
+    events.unpersist()
+    sweep = []
+    for share in cfg.sequence_shares:
+        if cfg.dataset != "synth":
+            break
+        if share == cfg.synth.sequence_share:
+            r = seeds[0]
+        else:
+            r_root = _data(cfg, out, share)
+            t = ev.read_events(r_root)
+            e = EventTable(t, str(r_root))
+            ctx = SeedContext(cfg, r_root, out / f"sweep-seq{share:g}" / f"seed{cfg.seeds[0]}", _protocol(cfg, t),
+                              cfg.seeds[0], e, spark)
+            r = run_seed(ctx, f"sequence share {share}", with_curves=False)
+            e.unpersist()
+        sweep.append({"sequence_share": share, **_seed_summary(r),
+                      "positive_rate": ev.read_manifest(_data(cfg, out, share))["positive_rate"]})
+    summaries = [_seed_summary(r) for r in seeds]
+    manifest = ev.read_manifest(root)
+    report = {
+        "dataset": cfg.dataset, "config": json.loads(json.dumps(cfg.key(), default=str)),
+        "protocol": protocol.to_dict(), "data": {k: v for k, v in manifest.items() if k != "seconds"},
+        "seeds": list(cfg.seeds), "summary": summaries, "targets": _targets(summaries),
+        "per_seed": seeds, "sweep": sweep,
+        "timings": {"total_s": round(time.perf_counter() - t_all, 1)}}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    rep.write(report, out)
+    return report
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)

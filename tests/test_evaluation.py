@@ -1,0 +1,229 @@
+"""The replay evaluation: its arithmetic on hand-made cases, the budgeted pool, and one small evaluation run end to
+end through the real jobs, store and reader (twice, for determinism), with what it may and may not serve."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from solaris_jobs.data.synth import SynthConfig
+from solaris_jobs.evaluation import metrics
+from solaris_jobs.evaluation import run as ev
+from solaris_jobs.evaluation.protocol import ModelsConfig
+
+T0 = pd.Timestamp("2026-01-01T00:00:00Z")
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+
+def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
+    # TR = (L_VM - L_X) / (L_VM - L_FM): 0.30 - 0.27 over 0.30 - 0.25 keeps 60% of the FM's gain.
+    assert metrics.transfer_ratio(0.30, 0.27, 0.25) == pytest.approx(0.6)
+    assert np.isnan(metrics.transfer_ratio(0.3, 0.2, 0.3))
+    y = np.array([1, 0, 1, 0])
+    p = np.array([0.8, 0.2, 0.6, 0.4])
+    assert metrics.row_bce(y, p) == pytest.approx(-np.log([0.8, 0.8, 0.6, 0.6]))
+    assert metrics.auc(y, p) == 1.0 and metrics.auc(np.array([1, 0]), np.array([0.2, 0.8])) == 0.0
+    # Two users; per-row losses chosen so that every resample's TR is exactly 0.5 (X halfway between VM and FM).
+    users = np.array([1, 1, 2, 2, 2])
+    l_vm = np.array([0.4, 0.6, 0.5, 0.5, 0.5])
+    l_fm = l_vm - 0.2
+    l_x = l_vm - 0.1
+    labels = np.array([1, 0, 1, 0, 0])
+    probs = {k: np.full(5, 0.5) for k in ("vm", "fm", "x", "kd")}
+    s = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "kd": l_vm - 0.02}, users, labels, probs,
+                                 boot=metrics.PairedBootstrap(users, 200, seed=1), kd="kd", solaris="x")
+    assert s["rows"] == 5 and s["users"] == 2 and s["tr_quoted"]
+    assert s["gap"]["value"] == pytest.approx(0.2) and s["gap"]["ci"] == pytest.approx((0.2, 0.2))
+    assert s["variants"]["x"]["tr"] == pytest.approx(0.5) and s["variants"]["x"]["tr_ci"] == pytest.approx((0.5, 0.5))
+    assert s["variants"]["kd"]["tr"] == pytest.approx(0.1)
+    assert s["criterion"]["value"] == pytest.approx(0.5 - 1.5 * 0.1) and s["criterion"]["met"]
+    # The bootstrap resamples users, not rows: a resample holds all of a user's rows or none of them.
+    b = metrics.PairedBootstrap(users, 50, seed=0)
+    means = b.mean(np.array([1.0, 1.0, 0.0, 0.0, 0.0]))
+    assert set(np.round(means, 6)) <= {0.0, 1.0, round(2 / 5, 6), round(4 / 7, 6), round(2 / 8, 6)}
+    # No gap (FM = VM): no TR is quoted, whatever the variant did.
+    flat = metrics.summarize_losses({"vm": l_vm, "fm": l_vm, "x": l_x}, users, labels, probs)
+    assert not flat["tr_quoted"] and flat["variants"]["x"]["tr"] is None
+    # Coverage: rows per tier as served, ages per tier.
+    from solaris_jobs.replay import tier_summary
+    t = tier_summary(np.array([0, 0, 1, 3]), np.array([3600.0, 7200.0, 1800.0, np.nan]))
+    assert t["coverage_counts"] == {"pair": 2, "user_aggregate": 1, "neighbour": 0, "none": 1}
+    assert t["coverage"]["pair"] == 0.5 and t["age_hours"] == {"pair": 1.5, "user_aggregate": 0.5,
+                                                               "neighbour": None}
+    # The pair ceiling: a row counts if its pair was in the log before the last refresh (hourly from 0).
+    h = 3_600_000_000
+    log_u, log_i, log_t = np.array([1, 1, 2]), np.array([7, 8, 7]), np.array([int(0.5 * h), int(2.2 * h), 3 * h])
+    rows_u, rows_i, rows_t = np.array([1, 1, 1, 2]), np.array([7, 8, 8, 7]), np.array(
+        [int(1.1 * h), int(2.5 * h), int(3.1 * h), int(3.5 * h)])
+    assert metrics.pair_ceiling(log_u, log_i, log_t, rows_u, rows_i, rows_t, 0, h).tolist() == [True, False, True,
+                                                                                                False]
+
+
+def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
+    from solaris_jobs import precompute as pc
+    ts = lambda h: (T0 + pd.Timedelta(hours=h)).to_pydatetime()
+    sim = spark.createDataFrame(pd.DataFrame({"user_id": [1, 1, 2], "item_id": [10, 11, 20],
+                                              "source": ["covisit", "popular", "popular"],
+                                              "retrieval_score": [1.0, -0.1, -0.2]}),
+                                "user_id long, item_id long, source string, retrieval_score float")
+    recent = spark.createDataFrame([(1, 10, ts(5)), (2, 21, ts(3)), (2, 22, ts(6))],
+                                   "user_id long, item_id long, last_seen timestamp")
+    misses = spark.createDataFrame([(2, 21, ts(6.5)), (3, 30, ts(4))], "user_id long, item_id long, missed_at timestamp")
+    pool = pc.candidate_pool(sim, recent, misses).toPandas().sort_values(["user_id", "item_id"])
+    # One row per pair; the strongest source names it; last_seen is the latest ranking or miss.
+    assert pool[["user_id", "item_id", "source"]].values.tolist() == [
+        [1, 10, "recent"], [1, 11, "popular"], [2, 20, "popular"], [2, 21, "recent"], [2, 22, "recent"],
+        [3, 30, "miss"]]
+    last = dict(zip(zip(pool.user_id, pool.item_id), pool.last_seen))
+    assert pd.Timestamp(last[(2, 21)]).tz_localize(None) == pd.Timestamp(ts(6.5)).tz_localize(None)
+    assert pd.isna(last[(1, 11)])
+    scores = {(1, 10): 0.1, (1, 11): 0.9, (2, 20): 0.8, (2, 21): 0.2, (2, 22): 0.3, (3, 30): 0.5}
+    scored = spark.createDataFrame(pool.assign(vm_score=[scores[k] for k in zip(pool.user_id, pool.item_id)]))
+    # Recency: most recently ranked or missed first, then the verifier; the never-ranked pairs last. Budget 4.
+    sel = pc.select_budget(scored, 4, "recency", 0.5).toPandas().sort_values("priority_rank")
+    assert list(zip(sel.user_id, sel.item_id))[:4] == [(2, 21), (2, 22), (1, 10), (3, 30)]
+    assert sel.selected.sum() == 4 and not sel[sel.item_id.isin([11, 20])].selected.any()
+    # Verifier: the score alone, across the whole pool (misses compete like any candidate).
+    sel = pc.select_budget(scored, 2, "verifier", 0.5).toPandas()
+    assert set(zip(sel[sel.selected].user_id, sel[sel.selected].item_id)) == {(1, 11), (2, 20)}
+    # The budget: ceil(budget x rows per interval over the window): 10 rows in 24 h, a 6 h interval, 0.5 per row.
+    log = spark.createDataFrame([(1, 1, ts(h)) for h in np.linspace(0, 23, 10)],
+                                "user_id long, item_id long, event_timestamp timestamp")
+    assert pc.budget_pairs(log, T0 + pd.Timedelta(hours=18), T0 + pd.Timedelta(hours=24), 0.5, 24) == (2, 2.5)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+TINY = ev.EvalConfig(
+    synth=SynthConfig(users=250, items=200, days=2, seed=3, calibration_users=250), seeds=(0,), sequence_shares=(),
+    train_days=1.0, served_days=0.5, test_days=0.5, valid_hours=4.0, fm_valid_hours=4.0, cadence="4h",
+    budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence=None, n_candidates=10, n_boot=50, vm_epochs=2,
+    grid_points=2, spark_master="local[2]",
+    models=ModelsConfig(d_model=16, n_layers=1, d_interaction=32, d_code=8, history_len=10, fm_epochs=1,
+                        vm_epochs=2, max_train_rows=None))
+
+
+@pytest.fixture(scope="module")
+def tiny_eval(spark, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_a")
+    return out, ev.evaluate(TINY, out)
+
+
+def _strip(obj):
+    """report.json without its timings (wall times, latencies, seconds)."""
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items()
+                if not (k in ("timings", "latency_ms", "wall_s") or k.endswith("_s") or "seconds" in k
+                        or k.startswith("latency"))}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def test_replay_serves_only_what_existed_at_the_request_from_models_trained_before_t1(tiny_eval):
+    from solaris_jobs import offline as off
+    from solaris_jobs import replay
+    out, report = tiny_eval
+    P = report["protocol"]
+    t1, t2 = pd.Timestamp(P["t1"]), pd.Timestamp(P["t2"])
+    seed = report["per_seed"][0]
+    # The FM, autoencoder and verifier saw nothing from t1 on (their own test split starts there).
+    for kind in ("fm", "vm"):
+        assert pd.Timestamp(seed["models"][kind]["split"]["test_from"]) == t1
+    assert pd.Timestamp(seed["models"]["fm"]["split"]["valid_from"]) == pd.Timestamp(P["fm_valid_from"])
+    rec = json.loads((out / "seed0" / "replay-b1" / "replay.json").read_text())
+    visible = {pd.Timestamp(r["cutoff"]): pd.Timestamp(r["visible_at"]) for r in rec["refreshes"]}
+    assert min(visible) == t1 and all(v - c >= pd.Timedelta("10min") for c, v in visible.items())
+    served = replay.read_served(out / "seed0" / "replay-b1").to_pandas()
+    assert len(served) == rec["rows"] > 1000 and rec["serving"]["counts"].get("fail_open", 0) == 0
+    got = served[served.tier < 3]
+    assert len(got) > 0.3 * len(served)
+    # Every served row is at least 0 s old and was made visible before the request.
+    src = got.event_timestamp - pd.to_timedelta(got.age_s, unit="s")
+    assert (got.age_s >= 0).all()
+    pair = got[got.tier == 0]
+    src_pair = src[got.tier == 0].dt.round("s")
+    assert set(src_pair) <= set(visible)
+    assert (pair.event_timestamp >= src_pair.map(visible)).all()
+    # ... and is exactly what that refresh computed for the pair (no later output leaks in).
+    for T, rows in pair.groupby(src_pair):
+        emb = off.read_table(str(out / "seed0" / "replay-b1" / "offline"), "pair_embeddings", T).to_pandas()
+        emb = emb.set_index(["user_id", "item_id"])["embedding"]
+        want = np.stack(emb.loc[list(zip(rows.user_id, rows.item_id))].to_numpy())
+        np.testing.assert_array_equal(np.stack(rows.embedding.to_numpy()), want)
+    # Test requests are served by refreshes of the test period or before it only; none before t1 is served.
+    assert served.event_timestamp.min() >= t1 and (served.refresh >= -1).all()
+    assert report["per_seed"][0]["headline"]["coverage"]["test"]["rows"] == int((served.event_timestamp >= t2).sum())
+
+
+def test_vm_features_come_from_the_same_reader_and_clock_as_serving(tiny_eval):
+    from solaris_jobs import model_refs, replay, training
+    from solaris_jobs.evaluation import variants
+    from solaris_jobs.evaluation.protocol import Protocol
+    out, report = tiny_eval
+    P = Protocol.from_dict(report["protocol"])
+    models = model_refs.resolve(out / "seed0" / "models")
+    data = training.load_dataset(str(out / "data-seq0.5"), models.history_len, cuts=(P.valid_from, P.t2))
+    cache = variants.fm_outputs(data, models.fm.path, models.ae.path, P, out / "seed0" / "cache")
+    served = replay.read_served(out / "seed0" / "derived-b0.5-x1")
+    tab = variants.build_table(data, P, served, cache)
+    s = served.to_pandas()
+    key = pd.DataFrame({"user_id": tab.users, "item_id": tab.items,
+                        "event_timestamp": pd.to_datetime(tab.ts, unit="us", utc=True), "tier": tab.served_tier})
+    m = key.merge(s.drop_duplicates(["user_id", "item_id", "event_timestamp"]),
+                  on=["user_id", "item_id", "event_timestamp"], how="left", suffixes=("", "_served"))
+    before = m.event_timestamp < P.t1
+    # Rows before t1 were served nothing (tier none); from t1 on, every row carries exactly what the reader served.
+    assert (m.tier[before] == 3).all() and m.tier_served[before].isna().all()
+    assert (m.tier[~before] == m.tier_served[~before]).all()
+    side = report["per_seed"][0]["headline"]["tier_shares_side_by_side"]
+    test_shares = side["test rows [t2, t3)"]
+    assert test_shares["none"] < 1.0 and side["validation rows [valid_from, t2)"]["none"] < 1.0
+    # The training rows hold tier none for [t0, t1) and served tiers for [t1, valid_from): both are in the share.
+    train = tab.split == 0
+    assert 0 < (tab.served_tier[train] != 3).mean() < 1
+
+
+def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, spark, tmp_path):
+    from solaris_jobs import event_source, model_refs, replay
+    from solaris_jobs import events as events_mod
+    from solaris_jobs.evaluation.protocol import Protocol
+    out, report = tiny_eval
+    P = Protocol.from_dict(report["protocol"])
+    models = model_refs.resolve(out / "seed0" / "models")
+    root = out / "data-seq0.5"
+    s = ev._settings(TINY, root, tmp_path / "offline", out / "seed0" / "models", TINY.budget)
+    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ev._ttls(TINY))
+    events = event_source.EventTable(events_mod.read_events(root))
+    direct = replay.run(spark, s, events, models, plan, tmp_path / "direct")
+    a = replay.read_served(tmp_path / "direct").to_pandas()
+    b = replay.read_served(out / "seed0" / "derived-b0.5-x1").to_pandas()
+    assert len(a) == len(b) == direct["rows"]
+    np.testing.assert_array_equal(a.tier.to_numpy(), b.tier.to_numpy())
+    np.testing.assert_allclose(np.stack(a.embedding.to_numpy()), np.stack(b.embedding.to_numpy()), atol=1e-5)
+    np.testing.assert_allclose(a.age_s.to_numpy(), b.age_s.to_numpy(), equal_nan=True)
+    # The headline's cost: FM inferences per served row near the budget asked for (0.5), under 1.
+    per_row = report["per_seed"][0]["fm_per_row"]["per_row"]
+    assert 0.3 < per_row <= 0.55
+
+
+def test_same_seed_same_report(tiny_eval, tmp_path):
+    out, report = tiny_eval
+    ev.evaluate(TINY, tmp_path / "b")
+    load = lambda d: json.loads((d / "report.json").read_text())
+    assert _strip(load(tmp_path / "b")) == _strip(load(out))
+    md = (out / "report.md").read_text()
+    assert "## Targets" in md and "VM + SOLARIS, all tiers" in md
+    for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png"):
+        assert (out / png).stat().st_size > 5_000 and f"]({png})" in md
+    # The budget curve and the slower cadence are in the report, each with its measured cost.
+    cu = report["per_seed"][0]["curves"]
+    assert [p["budget_per_row"] for p in cu["budget"]] == [0.5, 1.0]
+    assert cu["budget"][0]["fm"]["fm_inferences"] < cu["budget"][1]["fm"]["fm_inferences"]
+    assert {p["cadence"] for p in cu["cadence"]} == {"8h", "4h"}
