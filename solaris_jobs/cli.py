@@ -187,10 +187,15 @@ def train_vm(root, out, epochs, batch_size, lr, seed, history_len, device, max_t
 @click.option("--intervals", default=3, help="Hourly intervals to run the refresh DAG over (0: none).")
 @click.option("--last-end", default="1998-03-01T00:00:00Z", help="End of the last refreshed interval.")
 @click.option("--master", default="local[2]", help="Spark master for the refresh.")
-def demo(workdir, seeds, fm_epochs, intervals, last_end, master) -> None:
+@click.option("--evaluate/--no-evaluate", default=True, help="End with the quick replay evaluation "
+                                                             "(solaris evaluate --quick).")
+@click.option("--reports", default="reports/quick", type=click.Path(file_okay=False),
+              help="Where the quick evaluation's report goes.")
+def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, reports) -> None:
     """The main job on MovieLens-100K: data, FM, AE, VM / VM+KD / VM+FM embedding and their comparison table,
     then the Airflow refresh DAG (dag.test()) over a few hourly intervals into the embedded SQLite online store,
-    the coverage table, one feature read through the Feast SDK and one through the tiered serving client."""
+    the coverage table, one feature read through the Feast SDK and one through the tiered serving client; then the
+    quick replay evaluation on synthetic ad-like traffic (``solaris evaluate --quick``) under ``reports/quick``."""
     from solaris_jobs.experiment import run_movielens
     workdir = Path(workdir).resolve()
     seed_list = [int(s) for s in seeds.split(",")]
@@ -200,6 +205,13 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master) -> None:
         from solaris_jobs.demo_refresh import run_refresh_demo
         run_refresh_demo(workdir, workdir / "models" / f"seed{seed_list[0]}", intervals, last_end, master,
                          echo=click.echo)
+    if evaluate:
+        from dataclasses import replace
+
+        from solaris_jobs.evaluation import run as ev
+        click.echo(f"\nquick replay evaluation (synthetic ad-like traffic; solaris evaluate --quick) -> {reports}")
+        report = ev.evaluate(replace(ev.quick_config(), spark_master=master), Path(reports))
+        click.echo(ev.headline_table(report))
 
 
 @main.command("evaluate")
@@ -238,12 +250,8 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
     if no_curves:
         kw["curves"] = False
     report = ev.evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
-    click.echo(Path(out) / "report.md")
-    for p in report["summary"]:
-        click.echo(f"seed {p['seed']}: FM gain {100 * p['fm_gain_relative']:.2f}%, TR all tiers "
-                   f"{p['tr'].get('solaris')}, TR KD {p['tr'].get('vm_kd')}, coverage any tier "
-                   f"{p['coverage']['any_tier']:.3f}, pair/ceiling {p['coverage']['pair_of_ceiling']}, FM per row "
-                   f"{p['fm_per_row']}")
+    click.echo(ev.headline_table(report))
+    click.echo(f"report: {Path(out) / 'report.md'} (and report.json)")
 
 
 def _settings_options(f):

@@ -65,8 +65,8 @@ def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, mast
                     for t in ("pair", "user_aggregate", "neighbour", "none"))
         steps = "/".join(f"{secs.get(t, 0):.1f}" for t in STEPS)
         echo(f"{e.isoformat():26s} {rep['events']:6d}{c}  {steps}, {wall:.0f}")
-    echo("coverage = share of the interval's actual events whose pair (else user, else neighbour) had features "
-         "from the previous interval")
+    echo("coverage = share of the interval's logged rows by the tier the serving client (FeatureReader) served them "
+         "at their own time from the store the interval found (TTL and model version applied)")
     _show_reads(workdir, models, end, echo)
     return {"intervals": [(e.isoformat(), rep, secs) for e, rep, secs, _ in rows]}
 

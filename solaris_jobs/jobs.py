@@ -105,10 +105,21 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     budgeted = cfg.budget_per_row is not None
     users = pc.active_users(prior, T, cfg.active_hours, misses).cache()
     recent = pc.recent_pairs(prior, T, cfg.recent_hours) if cfg.recent_hours > 0 else None
+    n_budget = expected = None
+    if budgeted:
+        n_budget, expected = pc.budget_pairs(prior, start, T, cfg.budget_per_row, cfg.budget_window_hours)
     # One pool: under a budget the misses are candidates like the others (inside the budget); without one they
     # are forced in on top of the verifier's share.
-    cands = pc.candidate_pool(pc.candidate_pairs(prior, users, T, cfg.simulator), recent,
-                              misses if budgeted else None).cache()
+    simulated = pc.candidate_pairs(prior, users, T, cfg.simulator)
+    skipped_simulator = False
+    if budgeted and cfg.select_priority == "recency" and not cfg.exclusion_runs and recent is not None:
+        # Ranked by recency, the simulator's candidates (never ranked) come after every recently ranked or missed
+        # pair: when those alone fill the budget, no simulator candidate can be selected, so none is computed.
+        known = pc.candidate_pool(simulated.limit(0), recent, misses).cache()
+        if known.count() >= n_budget:
+            simulated, skipped_simulator = simulated.limit(0), True
+        known.unpersist()
+    cands = pc.candidate_pool(simulated, recent, misses if budgeted else None).cache()
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -120,10 +131,9 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
-        n_budget, expected = pc.budget_pairs(prior, start, T, cfg.budget_per_row, cfg.budget_window_hours)
         sel = pc.select_budget(scored, n_budget, cfg.select_priority, cfg.exclusion_share)
         budget = {"budget_per_row": cfg.budget_per_row, "budget_pairs": n_budget, "expected_rows": expected,
-                  "select_priority": cfg.select_priority}
+                  "select_priority": cfg.select_priority, "simulator_skipped": skipped_simulator}
     else:
         considered = cands.groupBy("user_id").agg(F.count("*").alias("n_considered"))
         sel = pc.select_pairs(scored, cfg.select_share, cfg.select_scope, cfg.exclusion_share, considered)

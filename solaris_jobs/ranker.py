@@ -87,6 +87,8 @@ class Ranker:
             f = self.reader.read(user_id, items, now)
             b["fm_emb"], tiers = f.embeddings, f.tiers
             b["tier"] = tiers
+            if self.vm.cfg.fm_age:
+                b["fm_age_h"] = f.ages_s / 3600.0
         t1 = time.perf_counter()
         with torch.inference_mode():
             scores = torch.sigmoid(self.vm(batch_to_tensors(b))["logit"]).numpy()

@@ -82,13 +82,15 @@ def interval(samples: np.ndarray, level: float = 0.95) -> tuple[float, float]:
 def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: np.ndarray, probs: dict,
                      baseline: str = "vm", reference: str = "fm", mask: np.ndarray | None = None,
                      boot: PairedBootstrap | None = None, kd: str | None = None, solaris: str | None = None,
-                     factor: float = 1.5) -> dict:
+                     factor: float = 1.5, floor: str | None = None) -> dict:
     """BCE, AUC and TR with paired-bootstrap intervals for every variant over the rows in ``mask``.
 
     Args:
         losses: variant -> per-row BCE (all rows); ``baseline`` and ``reference`` must be among them.
         probs: variant -> per-row probability (for AUC).
         kd, solaris: with both, ``criterion`` holds the bound of TR_solaris - factor x TR_kd.
+        floor: a trivial predictor among ``losses`` (the training positive rate): TRs are quoted only when the
+            baseline beats it too (a ratio over a baseline that barely works is not a result).
 
     Returns:
         {"rows", "users", "gap": L_VM - L_FM with interval, "tr_quoted": lower bound of the gap > 0,
@@ -105,6 +107,10 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
     gap_s = means[baseline] - means[reference]
     gap_ci = interval(gap_s)
     quoted = bool(gap_ci[0] > 0)
+    if floor is not None:
+        over = interval(means[floor] - means[baseline])
+        out["baseline_beats_floor"] = {"value": point[floor] - point[baseline], "ci": over, "met": bool(over[0] > 0)}
+        quoted = quoted and bool(over[0] > 0)
     out["gap"] = {"value": point[baseline] - point[reference], "ci": gap_ci,
                   "relative": (point[baseline] - point[reference]) / point[baseline]}
     out["tr_quoted"] = quoted

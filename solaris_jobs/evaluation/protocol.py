@@ -75,10 +75,10 @@ class ModelsConfig:
     d_interaction: int = 128
     d_code: int = 32
     history_len: int = 50
-    fm_epochs: int = 2
+    fm_epochs: int = 1
     vm_epochs: int = 6
     batch_size: int = 512
-    max_train_rows: int | None = 300_000
+    max_train_rows: int | None = 600_000
 
 
 def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig) -> dict:

@@ -12,8 +12,11 @@ TIERS = ("pair", "user_aggregate", "neighbour", "none")
 LABELS = {"vm": "VM", "vm_kd": "VM + KD", "tiers_only": "VM + tier/age only (embeddings zeroed)",
           "pair": "VM + SOLARIS, pair tier", "pair_agg": "VM + SOLARIS, pair + aggregate",
           "solaris": "VM + SOLARIS, all tiers", "solaris_kd": "VM + SOLARIS all tiers + KD",
-          "oracle": "VM + FM code for every row (100% coverage oracle)", "fm": "FM"}
-ORDER = ("vm", "vm_kd", "tiers_only", "pair", "pair_agg", "solaris", "solaris_kd", "oracle", "fm")
+          "oracle": "VM + FM code for every row (100% coverage oracle)", "fm": "FM",
+          "base_rate": "base rate (training positive rate)"}
+SHORT = {"vm_kd": "KD", "tiers_only": "tiers/age only", "pair": "pair tier", "pair_agg": "pair + aggregate",
+         "solaris": "all tiers", "solaris_kd": "all tiers + KD", "oracle": "oracle (FM online)"}
+ORDER = ("base_rate", "vm", "vm_kd", "tiers_only", "pair", "pair_agg", "solaris", "solaris_kd", "oracle", "fm")
 
 
 def _f(x, nd=4) -> str:
@@ -64,7 +67,8 @@ def _plots(report: dict, out: Path) -> dict:
         ax.plot(fmr, [p["coverage"]["shares"]["pair"] for p in pts], "o-", label="pair tier")
         ax.plot(fmr, [p["coverage"]["any_tier"] for p in pts], "s-", label="any tier")
         ax.plot(fmr, [p["coverage"]["ceiling"] for p in pts], "k--", lw=1, label="pair ceiling")
-        ax.set_xscale("log", base=2)
+        if all(x and x > 0 for x in fmr):
+            ax.set_xscale("log", base=2)
         ax.set_xlabel("FM inferences per served row")
         ax.set_ylabel("share of test rows")
         ax.legend(fontsize=8)
@@ -106,7 +110,7 @@ def _plots(report: dict, out: Path) -> dict:
 
     # TR per variant with intervals, every seed.
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    names = [v for v in ORDER if v not in ("vm", "fm")]
+    names = [v for v in ORDER if v not in ("vm", "fm", "base_rate")]
     for j, r in enumerate(report["per_seed"]):
         vs = r["headline"]["test"]["variants"]
         ys = [vs[n]["tr"] if vs.get(n) else None for n in names]
@@ -118,8 +122,7 @@ def _plots(report: dict, out: Path) -> dict:
             ax.errorbar([xi], [y], yerr=[[y - lo], [hi - y]], fmt="o", color=f"C{j}", capsize=2,
                         label=f"seed {r['seed']}" if n == names[0] else None)
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(np.arange(len(names)), [LABELS[n].replace("VM + ", "").replace("SOLARIS, ", "")[:22]
-                                          for n in names], rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(np.arange(len(names)), [SHORT[n] for n in names], rotation=25, ha="right", fontsize=7)
     ax.set_ylabel("TR (BCE), 95% interval")
     ax.legend(fontsize=7)
     ax.set_title("Transfer ratio per variant (test)", fontsize=9)
@@ -188,7 +191,9 @@ def markdown(report: dict, files: dict) -> str:
                  f"none {_f(cov['shares']['none'], 3)}; any tier {_f(cov['any_tier'], 3)}. Pair ceiling (pair shown "
                  f"before the last refresh) {_f(cov['ceiling'], 3)}: pair tier = {_f(cov['pair_of_ceiling'], 3)} "
                  f"of it. FM inferences per served row {_f(r['fm_per_row']['per_row'], 3)} "
-                 f"({r['fm_per_row']['fm_inferences']} for {r['fm_per_row']['served_rows']} rows).")
+                 f"({r['fm_per_row']['fm_inferences']} pair inferences for {r['fm_per_row']['served_rows']} rows; "
+                 f"plus {_f(r['fm_per_row']['user_embeddings_per_row'], 3)} FM user embeddings per row for the "
+                 f"neighbour tier, every user with history at every refresh).")
         ages = ", ".join(f"{k} mean {_f(v['mean_h'], 2)} h (p90 {_f(v['p90_h'], 2)})" for k, v in cov["age"].items()
                          if v)
         L.append(f"Age of what was served: {ages}.")
@@ -264,3 +269,10 @@ def write(report: dict, out: Path) -> Path:
     path.write_text(markdown(report, files))
     logger.info("report: %s", path)
     return path
+
+
+if __name__ == "__main__":          # re-render report.md and the plots from a report.json
+    import json
+    import sys
+    src = Path(sys.argv[1])
+    print(write(json.loads(src.read_text()), src.parent))

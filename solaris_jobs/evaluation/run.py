@@ -63,14 +63,15 @@ class EvalConfig:
     budgets: tuple = (0.125, 0.25, 0.5, 1.0, 2.0)          # the curve; the replay runs at the largest
     slow_cadence: int = 4                                  # 4 h: every 4th hourly refresh, 4x its budget
     fast_cadence: str | None = "15min"                     # its own replay over the hours before and after t2
-    fast_hours_before: float = 6.0
-    fast_hours_after: float = 12.0
+    fast_hours_before: float = 4.0
+    fast_hours_after: float = 8.0
     n_candidates: int = 20                                 # request-simulator candidates per active user
     select_priority: str = "recency"
     models: ModelsConfig = field(default_factory=ModelsConfig)
-    vm_epochs: int = 6
-    vm_batch_size: int = 2048
+    vm_epochs: int = 5
+    vm_batch_size: int = 8192
     grid_points: int = variants.GRID_SIZE                  # per variant (the same for all)
+    sweep_variants: tuple = ("vm", "vm_kd", "solaris")     # what the sweep over the sequence share trains
     n_boot: int = 1000
     curves: bool = True
     spark_master: str = "local[2]"
@@ -82,11 +83,13 @@ class EvalConfig:
 
 
 def quick_config(**kw) -> EvalConfig:
-    """A few minutes on 2 cores (``make demo``, the tests): 1,000 synthetic users over 3 days, one seed, small
-    models, no sweep and no fast-cadence replay. Too small for the targets; the same code path as the full run."""
-    base = dict(synth=SynthConfig(users=1_000, items=1_000, days=3, seed=0), seeds=(0,), sequence_shares=(),
-                train_days=1.5, served_days=0.75, test_days=0.75, valid_hours=4.0, fm_valid_hours=6.0,
-                budgets=(0.25, 0.5, 1.0), fast_cadence=None, n_boot=200, vm_epochs=3,
+    """About ten minutes on 2 cores (``make demo``): 1,000 synthetic users over 2.5 days refreshed every 2 h, one
+    seed, small models, 4 grid points per variant, no sweep and no fast-cadence replay. Too small for the targets
+    (the small FM barely beats the VM); the same code path as the full run."""
+    base = dict(synth=SynthConfig(users=1_000, items=1_000, days=2.5, seed=0), seeds=(0,), sequence_shares=(),
+                train_days=1.5, served_days=0.5, test_days=0.5, valid_hours=4.0, fm_valid_hours=6.0, cadence="2h",
+                budgets=(0.25, 0.5, 1.0), slow_cadence=2, fast_cadence=None, n_boot=200, vm_epochs=3,
+                grid_points=4,
                 models=ModelsConfig(d_model=32, n_layers=1, d_interaction=64, d_code=16, history_len=30,
                                     fm_epochs=1, vm_epochs=3, max_train_rows=100_000))
     return EvalConfig(**{**base, **kw})
@@ -180,11 +183,12 @@ class SeedContext:
     spark: object
 
 
-def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget: float, warm=None) -> dict:
+def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget: float, warm=None,
+            warm_key: str = "") -> dict:
     from solaris_jobs import replay
     out = ctx.out / name
     key = {"cfg": ctx.cfg.key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
-           "budget": budget, "root": str(ctx.root), "warm": str(warm)}
+           "budget": budget, "root": str(ctx.root), "warm": warm_key}
     done = _cached_json(out / "done.json", key)
     if done is not None and (out / "served.parquet").exists():
         logger.info("reusing replay %s", out)
@@ -275,10 +279,14 @@ def _fm_per_row(rec: dict, served: pa.Table, protocol: Protocol, derived_out: Pa
         from solaris_jobs import offline as off
         pairs = sum((off.read_stats(str(derived_out / "offline"), "pair_embeddings", cut(r)) or {}).get(
             "pairs", 0) for r in refreshes)
-    return {"fm_inferences": int(pairs), "served_rows": rows, "per_row": pairs / rows if rows else None}
+    # The neighbour tier's FM user embeddings (history only, no target) are counted apart: every user with history,
+    # every refresh (the same for every budget).
+    users = sum(r.get("users_embedded", 0) for r in refreshes)
+    return {"fm_inferences": int(pairs), "served_rows": rows, "per_row": pairs / rows if rows else None,
+            "user_embeddings": int(users), "user_embeddings_per_row": users / rows if rows else None}
 
 
-def run_seed(ctx: SeedContext, share_label: str, with_curves: bool) -> dict:
+def run_seed(ctx: SeedContext, share_label: str, with_curves: bool, names=None) -> dict:
     """The headline numbers of one seed (and, with ``with_curves``, the budget and cadence curves)."""
     from solaris_jobs import model_refs, replay, training
     cfg, P = ctx.cfg, ctx.protocol
@@ -308,13 +316,21 @@ def run_seed(ctx: SeedContext, share_label: str, with_curves: bool) -> dict:
     tab = variants.build_table(data, P, served, cache)
     del data
     t0 = time.perf_counter()
-    fits = variants.train_variants(tab, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, grid_points=cfg.grid_points)
+    fits = variants.train_variants(tab, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, names=names,
+                                   grid_points=cfg.grid_points)
     vm_wall = time.perf_counter() - t0
     res = {"seed": ctx.seed, "models": model_metrics, "headline": _evaluate(ctx, tab, fits, served, every),
            "fm_per_row": _fm_per_row(base, served, P, dout, ctx.spark),
-           "variants": {k: {kk: vv for kk, vv in v.items() if kk != "test_prob"} for k, v in fits.items()},
+           "variants": {k: {kk: vv for kk, vv in v.items() if kk not in ("test_prob", "model")}
+                        for k, v in fits.items()},
            "replay": _replay_summary(base), "timings": {"replay_s": round(replay_wall, 1),
                                                          "vm_variants_s": round(vm_wall, 1)}}
+    if "solaris" in fits:
+        # The ranker's VM trained on what the store served: a checkpoint `solaris rank` and `Ranker` take.
+        from models import save_checkpoint
+        save_checkpoint(fits["solaris"]["model"], ctx.out / "vm_transfer_served.pt", extra={
+            "fm_version": models.fm.version, "ae_version": models.ae.version,
+            "trained_on": f"served features of {dout or base_out}", "params": fits["solaris"]["params"]})
     if with_curves:
         res["curves"] = _curves(ctx, models, base, base_out, plan, tab, fits, served_at, every)
     res["timings"]["seed_s"] = round(time.perf_counter() - t_seed, 1)
@@ -330,9 +346,12 @@ def _replay_summary(rec: dict) -> dict:
 
 
 def _probs(tab, fits: dict) -> dict:
+    """Test probabilities of every variant, the FM, and the base rate (the training rows' positive rate)."""
     test = tab.split == 2
     p = {k: v["test_prob"] for k, v in fits.items()}
     p["fm"] = 1.0 / (1.0 + np.exp(-tab.fm_logit[test].astype(np.float64)))
+    train = tab.labels[tab.split == 0]
+    p["base_rate"] = np.full(int(test.sum()), float(train[train >= 0].mean()))
     return p
 
 
@@ -347,7 +366,7 @@ def _evaluate(ctx: SeedContext, tab, fits: dict, served: pa.Table, every: pd.Tim
     users = tab.users[test]
     boot = metrics.PairedBootstrap(users, ctx.cfg.n_boot, seed=ctx.seed)
     summ = lambda mask=None: metrics.summarize_losses(losses, users, y, probs, mask=mask, boot=boot, kd="vm_kd",
-                                                       solaris="solaris")
+                                                       solaris="solaris", floor="base_rate")
     out = {"test": summ()}
     tier = tab.served_tier[test]
     out["per_tier"] = {name: summ(tier == k) for k, name in enumerate(TIER_NAMES)}
@@ -395,8 +414,9 @@ def _curves(ctx: SeedContext, models, base: dict, base_out: Path, plan, tab, fit
         t = variants.build_table_like(tab, served)
         fit = variants.train_variants(t, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, ["solaris"], params)
         p = {**probs, "solaris": fit["solaris"]["test_prob"]}
-        losses = {k: metrics.row_bce(y, p[k]) for k in ("vm", "fm", "solaris", "vm_kd")}
-        summ = metrics.summarize_losses(losses, users, y, p, boot=boot, kd="vm_kd", solaris="solaris")
+        losses = {k: metrics.row_bce(y, p[k]) for k in ("vm", "fm", "solaris", "vm_kd", "base_rate")}
+        summ = metrics.summarize_losses(losses, users, y, p, boot=boot, kd="vm_kd", solaris="solaris",
+                                        floor="base_rate")
         extra = _ceiling_and_segments(ctx, served, period, t)
         s_ts = served.column("event_timestamp").cast(pa.int64()).to_numpy()
         cov = _coverage(served, (s_ts >= P.t2.value // 1000) & (s_ts < P.t3.value // 1000), extra, P, period)
@@ -447,7 +467,7 @@ def _fast_cadence(ctx: SeedContext, models, base: dict, base_out: Path, plan, ta
     fplan = replay.ReplayPlan(switch, stop, fast, plan.delay, plan.ttls)
     t0 = time.perf_counter()
     rec = _replay(ctx, models, Path(models.fm.path).parent, f"replay-fast-{cfg.fast_cadence}", fplan, cfg.budget,
-                  warm=warm)
+                  warm=warm, warm_key=f"{head_offline} before {switch.isoformat()}")
     wall = time.perf_counter() - t0
     fast_served = replay.read_served(ctx.out / f"replay-fast-{cfg.fast_cadence}")
     window = lambda t: (t.column("event_timestamp").cast(pa.int64()).to_numpy() >= P.t2.value // 1000) & (
@@ -519,12 +539,26 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     table = ev.read_events(root)
     protocol = _protocol(cfg, table)
     events = EventTable(table, str(root))
-    seeds = []
+    manifest = ev.read_manifest(root)
+    seeds, sweep = [], []
+
+    def write(done: bool) -> dict:
+        summaries = [_seed_summary(r) for r in seeds]
+        report = {
+            "dataset": cfg.dataset, "complete": done, "config": json.loads(json.dumps(cfg.key(), default=str)),
+            "protocol": protocol.to_dict(), "data": {k: v for k, v in manifest.items() if k != "seconds"},
+            "seeds": [r["seed"] for r in seeds], "summary": summaries, "targets": _targets(summaries),
+            "per_seed": seeds, "sweep": sweep, "timings": {"total_s": round(time.perf_counter() - t_all, 1)}}
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+        rep.write(report, out)
+        return report
+
+    # Written after every seed and sweep point (``complete`` false until the end): a long run is readable early.
     for k, seed in enumerate(cfg.seeds):
         ctx = SeedContext(cfg, root, out / f"seed{seed}", protocol, seed, events, spark)
         seeds.append(run_seed(ctx, "headline", with_curves=cfg.curves and k == 0))
+        write(False)
     events.unpersist()
-    sweep = []
     for share in cfg.sequence_shares:
         if cfg.dataset != "synth":
             break
@@ -536,21 +570,12 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
             e = EventTable(t, str(r_root))
             ctx = SeedContext(cfg, r_root, out / f"sweep-seq{share:g}" / f"seed{cfg.seeds[0]}", _protocol(cfg, t),
                               cfg.seeds[0], e, spark)
-            r = run_seed(ctx, f"sequence share {share}", with_curves=False)
+            r = run_seed(ctx, f"sequence share {share}", with_curves=False, names=cfg.sweep_variants)
             e.unpersist()
         sweep.append({"sequence_share": share, **_seed_summary(r),
                       "positive_rate": ev.read_manifest(_data(cfg, out, share))["positive_rate"]})
-    summaries = [_seed_summary(r) for r in seeds]
-    manifest = ev.read_manifest(root)
-    report = {
-        "dataset": cfg.dataset, "config": json.loads(json.dumps(cfg.key(), default=str)),
-        "protocol": protocol.to_dict(), "data": {k: v for k, v in manifest.items() if k != "seconds"},
-        "seeds": list(cfg.seeds), "summary": summaries, "targets": _targets(summaries),
-        "per_seed": seeds, "sweep": sweep,
-        "timings": {"total_s": round(time.perf_counter() - t_all, 1)}}
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
-    rep.write(report, out)
-    return report
+        write(False)
+    return write(True)
 
 
 def _json_default(o):
@@ -561,3 +586,17 @@ def _json_default(o):
     if isinstance(o, np.ndarray):
         return o.tolist()
     return str(o)
+
+
+def headline_table(report: dict) -> str:
+    """A few lines for a terminal: per seed the FM's gain, the TRs, coverage and cost."""
+    f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"
+    lines = [f"{'seed':>4s} {'FM gain':>8s} {'TR all tiers':>12s} {'TR KD':>7s} {'any tier':>8s} {'pair/ceil':>9s} "
+             f"{'FM/row':>6s}"]
+    for p in report["summary"]:
+        lines.append(f"{p['seed']:4d} {100 * p['fm_gain_relative']:7.2f}% {f(p['tr'].get('solaris')):>12s} "
+                     f"{f(p['tr'].get('vm_kd')):>7s} {f(p['coverage']['any_tier']):>8s} "
+                     f"{f(p['coverage']['pair_of_ceiling']):>9s} {f(p['fm_per_row']):>6s}")
+    if not any(p["tr_quoted"] for p in report["summary"]):
+        lines.append("(no TR quoted: the FM's gain over the VM is not above 0 at the 95% lower bound)")
+    return "\n".join(lines)

@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 T_PAIR, T_AGG, T_NB = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour"))
 BASE_GRID = [{"lr": lr, "weight_decay": wd, "dropout": do}
-             for lr, wd, do in itertools.product((1e-3, 3e-3), (0.0, 1e-4), (0.1, 0.3))]
-KD_GRID = [{"kd_weight": a, "kd_temperature": t} for a, t in itertools.product((0.1, 0.3, 0.6, 0.9), (1.0, 4.0))]
+             for lr, (wd, do) in itertools.product((3e-3, 1e-2), ((0.0, 0.1), (0.0, 0.3), (1e-4, 0.3)))]
+KD_GRID = [{"kd_weight": a, "kd_temperature": t} for a, t in itertools.product((0.2, 0.5, 0.8), (1.0, 4.0))]
 GRID_SIZE = len(BASE_GRID)
 assert len(KD_GRID) == GRID_SIZE
 
@@ -247,7 +247,8 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
         logit = predict(model, arr.subset(tab.split == 2), batch_size=8192)["logit"].astype(np.float64)
         out[name] = {"params": params, "valid_bce": valid, "best_epoch": epoch,
                      "grid": [{"params": p, "valid_bce": v} for p, v in tried],
-                     "test_prob": 1.0 / (1.0 + np.exp(-logit)), "seconds": round(time.perf_counter() - t0, 1)}
+                     "test_prob": 1.0 / (1.0 + np.exp(-logit)), "model": model,
+                     "seconds": round(time.perf_counter() - t0, 1)}
         logger.info("variant %s (seed %d): valid BCE %.5f with %s (%d grid points, %.0fs)", name, seed, valid,
                     json.dumps(params), len(grid), out[name]["seconds"])
     return out
