@@ -2,7 +2,7 @@
 ### SOLARIS training
 
 Weekly (or on demand): train the FM, its autoencoder, the verifier VM and the transfer VM (the ranker's model,
-which takes SOLARIS features) on the event log, into a new version folder; publish it by switching the
+which takes SOLARIS features, trained on what the store would serve it) on the event log, into a new version folder; publish it by switching the
 `current` link atomically; then re-embed the latest refreshed interval with the new models and materialize it,
 so that the online store holds embeddings of the new version. Old-version embeddings are never mixed with new
 ones: user aggregates only average pairs of one version, and the serving client only serves the version the
@@ -10,7 +10,8 @@ ranker's VM was trained with (until the ranker loads the new VM it gets tier non
 
 Environment (read by `solaris_jobs.settings` when a task runs): `SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY` (holds
 `versions/<stamp>/` and the `current` link; point `SOLARIS_MODELS` at `<registry>/current` for the refresh DAG),
-`SOLARIS_TRAIN` (JSON: epochs, history_len, d_model, layers, d_interaction, d_code, max_train_rows, batch_size),
+`SOLARIS_TRAIN` (JSON: epochs, history_len, d_model, layers, d_interaction, d_code, max_train_rows, batch_size,
+seed, served_hours and served_every: the replay the ranker's VM is trained on),
 plus the refresh DAG's settings for the re-embedding. DAG-level: `SOLARIS_TRAIN_CRON` (default weekly, `none` for
 on demand only).
 """
@@ -51,7 +52,9 @@ with DAG(
         ("fm", "Trains the foundation model (sequence model, label + rating heads). Output: fm.pt."),
         ("ae", "Trains the autoencoder on the new FM's interaction embeddings. Output: ae.pt."),
         ("vm", "Trains the verifier VM (no FM input), used by candidate selection. Output: vm.pt."),
-        ("vm_transfer", "Trains the ranker's VM with the new FM's embeddings as input. Output: vm_transfer.pt."))]
+        ("vm_transfer", "Trains the ranker's VM on what the store would serve it: a replay of the refresh and the "
+                        "serving client over the log's last `served_hours` with the new models, then the all-tiers "
+                        "VM on those rows. Output: vm_transfer.pt (and the replay under served/)."))]
 
     @task(doc_md="Checks the four checkpoints belong together and switches `current` to them atomically.")
     def publish() -> dict:

@@ -159,8 +159,42 @@ def time_split(ts: np.ndarray, fractions=(0.8, 0.1, 0.1)) -> tuple[np.ndarray, n
     return ts < c1, (ts >= c1) & (ts < c2), ts >= c2, (int(c1), int(c2))
 
 
+class Batched:
+    """Rows that ``batch(idx)`` turns into model inputs; ``batches`` walks them (shuffled under a seed)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def batch(self, idx: np.ndarray) -> dict:
+        raise NotImplementedError
+
+    def batches(self, batch_size: int, shuffle_seed: int | None = None):
+        order = np.arange(len(self))
+        if shuffle_seed is not None:
+            np.random.default_rng(shuffle_seed).shuffle(order)
+        for s in range(0, len(order), batch_size):
+            yield self.batch(order[s: s + batch_size])
+
+
 @dataclass
-class Examples:
+class Arrays(Batched):
+    """Model inputs already computed, one array per input, rows aligned (what ``training.fit`` and ``predict``
+    take, like ``Examples``, when no history is needed: the VM). ``label`` is the BCE target (-1 unknown)."""
+    arrays: dict
+    label: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def subset(self, mask: np.ndarray) -> "Arrays":
+        return Arrays({k: v[mask] for k, v in self.arrays.items()}, self.label[mask])
+
+    def batch(self, idx: np.ndarray) -> dict:
+        return {"label": self.label[idx], **{k: v[idx] for k, v in self.arrays.items()}}
+
+
+@dataclass
+class Examples(Batched):
     """Queries (user, item, time[, label, rating]) whose model inputs are built batch by batch.
 
     Args:
@@ -203,13 +237,6 @@ class Examples:
         out.update(self.index.counters(u, i, t))
         out.update({k: v[idx] for k, v in self.extras.items()})
         return out
-
-    def batches(self, batch_size: int, shuffle_seed: int | None = None):
-        order = np.arange(len(self))
-        if shuffle_seed is not None:
-            np.random.default_rng(shuffle_seed).shuffle(order)
-        for s in range(0, len(order), batch_size):
-            yield self.batch(order[s: s + batch_size])
 
 
 def history_examples(users: np.ndarray, items: np.ndarray, at_us: int, hist_user: np.ndarray, hist_item: np.ndarray,

@@ -108,7 +108,8 @@ class Server:
         req = requests(events)
         self.ts, self.users, self.items = req["ts_us"].to_numpy(), req["user_id"].to_numpy(), req["item_id"].to_numpy()
         self.rows = req["row"].to_numpy()
-        self.starts = np.flatnonzero(np.concatenate([[True], np.diff(req["request"].to_numpy()) != 0]))
+        r = req["request"].to_numpy()
+        self.starts = np.flatnonzero(np.concatenate([[True], np.diff(r) != 0])) if len(r) else np.zeros(0, np.int64)
         n = events.num_rows
         self.emb = np.zeros((n, dim), np.float32)
         self.tier = np.full(n, 3, np.int8)

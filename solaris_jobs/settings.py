@@ -354,7 +354,10 @@ def env_log_level(env=None) -> str:
 # ------------------------------------------------------------------------------------------------ training
 
 TRAIN_DEFAULTS = {"epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2,
-                  "d_interaction": 128, "d_code": 32, "max_train_rows": None, "seed": 0}
+                  "d_interaction": 128, "d_code": 32, "max_train_rows": None, "seed": 0,
+                  # The ranker's VM trains on what the store would serve the new models: a replay of the log's
+                  # last served_hours, refreshed every served_every (solaris_jobs.replay).
+                  "served_hours": 24, "served_every": "1h"}
 
 
 def train_settings(env=None) -> dict:

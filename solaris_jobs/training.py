@@ -98,30 +98,6 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
                    as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)})
 
 
-@dataclass
-class Arrays:
-    """Model inputs already computed, one array per input, rows aligned (what ``fit`` and ``predict`` take, like
-    ``Examples``, when no history is needed: the VM). ``label`` is the BCE target (-1 unknown)."""
-    arrays: dict
-    label: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.label)
-
-    def subset(self, mask: np.ndarray) -> "Arrays":
-        return Arrays({k: v[mask] for k, v in self.arrays.items()}, self.label[mask])
-
-    def batch(self, idx: np.ndarray) -> dict:
-        return {"label": self.label[idx], **{k: v[idx] for k, v in self.arrays.items()}}
-
-    def batches(self, batch_size: int, shuffle_seed: int | None = None):
-        order = np.arange(len(self))
-        if shuffle_seed is not None:
-            np.random.default_rng(shuffle_seed).shuffle(order)
-        for s in range(0, len(order), batch_size):
-            yield self.batch(order[s: s + batch_size])
-
-
 def _sample(mask: np.ndarray, n: int, rng) -> np.ndarray:
     if mask.sum() <= n:
         return mask

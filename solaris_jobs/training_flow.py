@@ -47,11 +47,47 @@ def train(kind: str, version_dir: str) -> dict:
     elif kind == "vm":
         m = training.train_vm(data, d / "vm.pt", cfg)
     elif kind == "vm_transfer":
-        m = training.train_vm(data, d / "vm_transfer.pt", cfg, mode="transfer", fm_path=d / "fm.pt",
-                              ae_path=d / "ae.pt")
+        m = train_served_vm(root, d, o)
     else:
         raise ValueError(f"unknown model kind {kind!r}")
     return json.loads(json.dumps({k: v for k, v in m.items() if k != "history"}, default=str))
+
+
+def train_served_vm(root: str, version_dir: Path, o: dict) -> dict:
+    """The ranker's VM, trained on what the store would serve it: the refresh and the serving client replayed
+    (``solaris_jobs.replay``) over the log's last ``served_hours`` with this version's FM, autoencoder and verifier,
+    the refresh settings of the environment and the views' TTLs; rows before that window carry tier none. The last
+    quarter of the window is the validation slice. Output: ``vm_transfer.pt`` (fm_age input, all tiers)."""
+    import numpy as np
+
+    from solaris_jobs import events as ev
+    from solaris_jobs import jobs, model_refs, replay, training
+    from solaris_jobs.evaluation import variants
+    from solaris_jobs.evaluation.protocol import Protocol
+    from solaris_jobs.event_source import EventTable
+    from solaris_jobs.feature_views import views
+    every = pd.Timedelta(o["served_every"])
+    table = ev.read_events(root)
+    ts = table.column("event_timestamp").cast("int64").to_numpy()
+    end = pd.Timestamp(int(ts.max()), unit="us", tz="UTC").floor(every) + every
+    t1 = end - pd.Timedelta(hours=o["served_hours"])
+    t0 = pd.Timestamp(int(ts.min()), unit="us", tz="UTC").floor("D")
+    valid_from = (t1 + (end - t1) * 0.75).floor(every)
+    P = Protocol(t0, t1, end, end + every, valid_from if valid_from > t1 else t1 + every, t0 + (t1 - t0) / 2)
+    s = Settings.from_env(models=str(version_dir), offline=str(version_dir / "served" / "offline"), require=False)
+    models = model_refs.resolve(version_dir, ("fm", "ae", "vm"))
+    ttls = {f"SOLARIS_TTL_{n.upper()}": f"{int(v.ttl.total_seconds())}s" for n, v in views().items()}
+    plan = replay.ReplayPlan(t1, end, every, pd.Timedelta(minutes=10), ttls)
+    rec = replay.run(jobs.session(s, "train-served"), s, EventTable(table, root), models, plan,
+                     version_dir / "served")
+    data = training.load_dataset(root, models.history_len, cuts=(P.valid_from, P.t2))
+    out = variants.train_on_served(data, P, replay.read_served(version_dir / "served"), models,
+                                   version_dir / "vm_transfer.pt", seed=o["seed"])
+    out.update(mode="transfer", served_window=[t1.isoformat(), end.isoformat()], served_every=str(every),
+               replay_wall_s=rec["wall_s"], fm_version=models.fm.version, ae_version=models.ae.version,
+               served_tiers=np.bincount(replay.read_served(version_dir / "served").column("tier").to_numpy(),
+                                        minlength=4).tolist())
+    return out
 
 
 def publish(version_dir: str) -> dict:

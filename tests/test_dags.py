@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from models import load_checkpoint
 from solaris_jobs.settings import Settings
 from tests.conftest import ML_CFG, ML_END
 from tests.outputs import assert_same_outputs
@@ -258,7 +259,9 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
                  "SOLARIS_OFFLINE": str(offline), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
                  "SOLARIS_TRAIN": json.dumps({"epochs": 1, "history_len": 10, "d_model": 16, "layers": 1,
                                               "d_interaction": 32, "d_code": 8, "max_train_rows": 20_000,
-                                              "seed": 1}),   # seed 0 would reproduce the same weights
+                                              "seed": 1,     # seed 0 would reproduce the same weights
+                                              # the ranker's VM trains on a replay of the log's last 3 days
+                                              "served_hours": 72, "served_every": "24h"}),
                  "SOLARIS_TRAIN_CRON": "none"}.items():
         monkeypatch.setenv(k, v)
     s = Settings.from_env()
@@ -269,6 +272,12 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     current = (reg / "current").resolve()
     assert current.parent == (reg / "versions").resolve()
     assert {p.name for p in current.iterdir()} >= {"fm.pt", "ae.pt", "vm.pt", "vm_transfer.pt"}
+    # The ranker's VM was trained on what the replay's reader served with the new models (not on codes computed
+    # for every row): its checkpoint says so, with the share of its training rows per tier.
+    _, meta = load_checkpoint(current / "vm_transfer.pt", kind="vm")
+    assert meta["config"]["fm_age"] and meta["extra"]["trained_on"] == "served features"
+    served = pd.read_parquet(current / "served" / "served.parquet")
+    assert len(served) and (served.tier < 3).any() and 0 < meta["extra"]["tier_shares"]["none"] < 1
     new = pd.read_parquet(offline / "pair_embeddings").model_version.unique().tolist()
     assert len(old) == len(new) == 1 and old != new
     assert pd.read_parquet(offline / "user_aggregates").model_version.unique().tolist() == new

@@ -237,10 +237,25 @@ def markdown(report: dict, files: dict) -> str:
             L += ["", f"Fast cadence: its own replay, switching from hourly at {fc['switch_at']}; coverage of the test "
                   f"rows in [{fc['window'][0]}, {fc['window'][1]}) (FM inferences per served row at "
                   f"{report['config']['fast_cadence']}: {_f(fc['fast_fm_per_row'], 3)}):", "",
-                  "| cadence | pair | any tier | pair / ceiling |", "|---|---|---|---|"]
+                  "| cadence | pair | any tier | pair / ceiling | TR of the headline VM (trained at "
+                  f"{report['config']['cadence']}) [95%] |", "|---|---|---|---|---|"]
             for k, c in fc["coverage"].items():
+                h = c.get("headline_vm", {}).get("solaris") or {}
                 L.append(f"| {k} | {_f(c['shares']['pair'], 3)} | {_f(c['any_tier'], 3)} | "
-                         f"{_f(c['pair_of_ceiling'], 3)} |")
+                         f"{_f(c['pair_of_ceiling'], 3)} | {_f(h.get('tr'), 3)}{_ci(h.get('tr_ci'))} |")
+    sec = first.get("secondary_t1_only")
+    if sec:
+        te = sec["test"]
+        L += ["", f"## Secondary: VMs trained on {sec['training_rows']} only ({sec['rows']} rows; seed "
+              f"{first['seed']}, same test rows)", "", "| variant | test BCE [95%] | TR [95%] |", "|---|---|---|"]
+        for n in ORDER:
+            v = te["variants"].get(n)
+            if v is not None:
+                L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['tr'], 3)}"
+                         f"{_ci(v['tr_ci'])} |")
+        c = te.get("criterion")
+        if c:
+            L += ["", f"{c['statistic']} = {_f(c['value'], 3)}{_ci(c['ci'])}: {'met' if c['met'] else 'not met'}."]
     if report.get("sweep"):
         L += ["", "## Sweep: share of the label signal only a sequence model can see (seed "
               f"{report['seeds'][0]} each)", "",

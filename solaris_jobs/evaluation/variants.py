@@ -99,13 +99,14 @@ class Table:
         return a, emb.shape[1]
 
 
-def build_table(data, protocol, served: pa.Table, fm_cache: dict) -> Table:
+def build_table(data, protocol, served: pa.Table, fm_cache: dict | None) -> Table:
     """Aligns the replay's served rows and the FM cache with the training rows.
 
     Args:
         data: ``training.load_dataset(root, cuts=(valid_from, t2))`` (its index covers the whole log).
         served: the replay's ``served.parquet`` (rows of [t1, t3)).
-        fm_cache: {"ts", "users", "items", "logit", "code"} for the rows of [t1, t3) (``fm_outputs``).
+        fm_cache: {"ts", "users", "items", "logit", "code"} for the rows of [t1, t3) (``fm_outputs``); None
+            without the oracle and KD variants.
     """
     t0_us = protocol.t0.value // 1000
     parts = [data.train, data.valid, data.test]
@@ -120,13 +121,16 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict) -> Table:
     n = len(users)
     key = pd.DataFrame({"user_id": users, "item_id": items, "ts": ts, "row": np.arange(n)})
     served_emb, served_tier, served_age = _served_arrays(key, served)
-    f = pd.DataFrame({"user_id": fm_cache["users"], "item_id": fm_cache["items"], "ts": fm_cache["ts"],
-                      "frow": np.arange(len(fm_cache["ts"]))}).drop_duplicates(["user_id", "item_id", "ts"])
-    mf = key.merge(f, on=["user_id", "item_id", "ts"], how="inner")
-    oracle = np.zeros((n, fm_cache["code"].shape[1]), np.float32)
     fm_logit = np.full(n, np.nan, np.float32)
-    oracle[mf.row] = fm_cache["code"][mf.frow]
-    fm_logit[mf.row] = fm_cache["logit"][mf.frow]
+    if fm_cache is None:                        # no oracle, no KD (training the ranker's VM on served features)
+        oracle = np.zeros((0, served_emb.shape[1]), np.float32)
+    else:
+        f = pd.DataFrame({"user_id": fm_cache["users"], "item_id": fm_cache["items"], "ts": fm_cache["ts"],
+                          "frow": np.arange(len(fm_cache["ts"]))}).drop_duplicates(["user_id", "item_id", "ts"])
+        mf = key.merge(f, on=["user_id", "item_id", "ts"], how="inner")
+        oracle = np.zeros((n, fm_cache["code"].shape[1]), np.float32)
+        oracle[mf.row] = fm_cache["code"][mf.frow]
+        fm_logit[mf.row] = fm_cache["logit"][mf.frow]
     return Table(users, items, ts, labels, counters, split, served_emb, served_tier, served_age, oracle, fm_logit,
                  data.user_side, data.item_side, data.tables)
 
@@ -194,8 +198,9 @@ def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, bat
 
     from models import VMConfig, VerticalModel
     from solaris_jobs import training
+    from solaris_jobs.features import Arrays
     a, fm_dim = tab.inputs(variant)
-    arr = training.Arrays(a, tab.labels)
+    arr = Arrays(a, tab.labels)
     data = SimpleNamespace(train=arr.subset(tab.split == 0), valid=arr.subset(tab.split == 1))
     kd = {k: params[k] for k in ("kd_weight", "kd_temperature") if k in params}
     torch.manual_seed(seed)
@@ -211,21 +216,39 @@ def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, bat
     return model, valid, run, arr
 
 
+def fingerprint(tab: Table) -> str:
+    """A hash of everything a variant's training reads from the table (rows, labels, splits, served inputs)."""
+    import hashlib
+    h = hashlib.sha256()
+    for a in (tab.users, tab.items, tab.ts, tab.labels, tab.split, tab.served_tier, tab.served_emb, tab.served_age_h,
+              tab.oracle_emb, tab.fm_logit, *(tab.counters[k] for k in sorted(tab.counters))):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
 def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 2048, names=None,
-                   params_of: dict | None = None, grid_points: int = GRID_SIZE) -> dict:
+                   params_of: dict | None = None, grid_points: int = GRID_SIZE, cache: Path | None = None) -> dict:
     """Trains each variant over its grid and keeps the point with the best validation BCE.
 
     Args:
         grid_points: the first this many points of each grid (the same number for every variant; tests use fewer).
         params_of: variant -> fixed hyperparameters (no search; the budget and cadence curves use the headline's
             choice).
+        cache: a folder where each variant's chosen model is kept (a checkpoint named by a hash of the table, the
+            grid, the seed and the settings) and reused instead of training again.
 
     Returns:
-        {variant: {"params", "valid_bce", "grid": [(params, valid BCE)], "test_prob" (test rows), "seconds"}}.
+        {variant: {"params", "valid_bce", "grid": [(params, valid BCE)], "test_prob" (test rows), "model",
+        "seconds"}}.
     """
+    import hashlib
+
+    from models import load_checkpoint, save_checkpoint
+    from solaris_jobs.features import Arrays
     from solaris_jobs.training import predict
     names = list(names or VARIANTS)
     out: dict = {}
+    tab_key = fingerprint(tab) if cache is not None else None
     for name in names:
         t0 = time.perf_counter()
         kd, base = VARIANTS[name][3], VARIANTS[name][4]
@@ -236,19 +259,60 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
             grid = [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in KD_GRID[:grid_points]]
         else:
             grid = BASE_GRID[:grid_points]
-        best = None
-        tried = []
-        for params in grid:
-            model, valid, run, arr = _fit_one(tab, name, params, seed, epochs, batch_size)
-            tried.append((params, valid))
-            if best is None or valid < best[1]:
-                best = (params, valid, model, arr, run["best_epoch"])
-        params, valid, model, arr, epoch = best
+        path = None
+        if cache is not None:
+            key = json.dumps({"t": tab_key, "v": name, "g": grid, "s": seed, "e": epochs, "b": batch_size},
+                             sort_keys=True)
+            path = Path(cache) / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+        if path is not None and path.exists():
+            model, meta = load_checkpoint(path, kind="vm")
+            rec = meta["extra"]
+            a, _ = tab.inputs(name)
+            arr = Arrays(a, tab.labels)
+            params, valid, epoch, tried = rec["params"], rec["valid_bce"], rec["best_epoch"], rec["grid"]
+            logger.info("variant %s (seed %d): reusing %s", name, seed, path)
+        else:
+            best, tried = None, []
+            for params in grid:
+                model, valid, run, arr = _fit_one(tab, name, params, seed, epochs, batch_size)
+                tried.append({"params": params, "valid_bce": valid})
+                if best is None or valid < best[1]:
+                    best = (params, valid, model, arr, run["best_epoch"])
+            params, valid, model, arr, epoch = best
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_checkpoint(model, path, extra={"params": params, "valid_bce": valid, "best_epoch": epoch,
+                                                    "grid": tried})
         logit = predict(model, arr.subset(tab.split == 2), batch_size=8192)["logit"].astype(np.float64)
-        out[name] = {"params": params, "valid_bce": valid, "best_epoch": epoch,
-                     "grid": [{"params": p, "valid_bce": v} for p, v in tried],
+        out[name] = {"params": params, "valid_bce": valid, "best_epoch": epoch, "grid": tried,
                      "test_prob": 1.0 / (1.0 + np.exp(-logit)), "model": model,
                      "seconds": round(time.perf_counter() - t0, 1)}
         logger.info("variant %s (seed %d): valid BCE %.5f with %s (%d grid points, %.0fs)", name, seed, valid,
                     json.dumps(params), len(grid), out[name]["seconds"])
     return out
+
+
+def train_on_served(data, protocol, served: pa.Table, models, out, seed: int = 0, epochs: int = 5,
+                    batch_size: int = 8192, grid_points: int = GRID_SIZE) -> dict:
+    """The ranker's VM trained on what the store served (the ``solaris`` variant: all tiers, tier and age inputs),
+    saved as a checkpoint ``Ranker`` and ``solaris rank`` take (it names the FM and autoencoder it was trained on).
+
+    Args:
+        data: ``training.load_dataset(root, cuts=(valid_from, t2))``.
+        served: a replay's ``served.parquet`` over ``[t1, t2)`` (or features a ranker logged, in its schema).
+        models: the ``ModelSet`` whose embeddings were served.
+
+    Returns:
+        The chosen hyperparameters, validation BCE, grid, and the checkpoint's version.
+    """
+    from models import save_checkpoint
+    tab = build_table(data, protocol, served, None)
+    fit = train_variants(tab, seed, epochs, batch_size, ["solaris"], grid_points=grid_points)["solaris"]
+    shares = {TIERS[k]: float((tab.served_tier[tab.split < 2] == k).mean()) for k in range(len(TIERS))}
+    version = save_checkpoint(fit["model"], out, extra={
+        "fm_version": models.fm.version, "ae_version": models.ae.version, "trained_on": "served features",
+        "protocol": protocol.to_dict(), "params": fit["params"], "valid_bce": fit["valid_bce"],
+        "tier_shares": shares})
+    return {"model_version": version, "params": fit["params"], "valid_bce": fit["valid_bce"],
+            "tier_shares_of_training_rows": shares,
+            "grid": fit["grid"], "seconds": fit["seconds"]}
