@@ -156,19 +156,20 @@ class Server:
         self.reader.close()
 
 
-TIER_NAMES = ("pair", "user_aggregate", "neighbour", "none")
-
-
 def tier_summary(tiers: np.ndarray, ages_s: np.ndarray) -> dict:
-    """The coverage definition every report uses: per tier, the rows ``FeatureReader`` served from it (count and
-    share) and the mean age of what it served (hours)."""
+    """The coverage definition every report uses (the refresh DAG's and the evaluation's): per tier, the rows
+    ``FeatureReader`` served from it (count and share) and the age of what it served (hours: mean, median, 90th
+    percentile; None for a tier that served nothing)."""
+    from models.vm import TIERS
     tiers = np.asarray(tiers)
+    ages_h = np.asarray(ages_s, np.float64) / 3600.0
     n = len(tiers)
-    counts = {name: int((tiers == k).sum()) for k, name in enumerate(TIER_NAMES)}
+    counts = {name: int((tiers == k).sum()) for k, name in enumerate(TIERS)}
     ages = {}
-    for k, name in enumerate(TIER_NAMES[:3]):
-        a = np.asarray(ages_s)[tiers == k]
-        ages[name] = round(float(a.mean()) / 3600.0, 3) if len(a) else None
+    for k, name in enumerate(TIERS[:-1]):
+        a = ages_h[tiers == k]
+        ages[name] = ({"mean_h": round(float(a.mean()), 4), "p50_h": round(float(np.median(a)), 4),
+                       "p90_h": round(float(np.quantile(a, 0.9)), 4)} if len(a) else None)
     return {"coverage": {k: (v / n if n else None) for k, v in counts.items()}, "coverage_counts": counts,
             "age_hours": ages}
 

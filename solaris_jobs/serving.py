@@ -130,6 +130,7 @@ class MissQueue:
         self.sink, self.metrics, self.flush_s = sink, metrics, flush_s
         self.q: queue.Queue = queue.Queue(maxsize)
         self._stop = threading.Event()
+        self._writing = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="solaris-miss-queue", daemon=True)
         self.thread.start()
 
@@ -141,20 +142,23 @@ class MissQueue:
             self.metrics.counts["misses_dropped_queue_full"] += len(items)
 
     def _drain(self) -> None:
-        batch = []
-        while True:
+        # One drain at a time: flush() returns only when everything queued before it is written (no write of the
+        # background thread still in flight).
+        with self._writing:
+            batch = []
+            while True:
+                try:
+                    batch.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            if not batch:
+                return
             try:
-                batch.append(self.q.get_nowait())
-            except queue.Empty:
-                break
-        if not batch:
-            return
-        try:
-            self.sink.write(batch)
-            self.metrics.counts["misses_recorded"] += sum(len(b[1]) for b in batch)
-        except Exception as e:          # the queue must never take the server down: count and go on
-            self.metrics.counts["misses_dropped_sink_error"] += sum(len(b[1]) for b in batch)
-            logger.warning("miss queue: could not record %d requests: %s", len(batch), e)
+                self.sink.write(batch)
+                self.metrics.counts["misses_recorded"] += sum(len(b[1]) for b in batch)
+            except Exception as e:          # the queue must never take the server down: count and go on
+                self.metrics.counts["misses_dropped_sink_error"] += sum(len(b[1]) for b in batch)
+                logger.warning("miss queue: could not record %d requests: %s", len(batch), e)
 
     def _run(self) -> None:
         while not self._stop.wait(self.flush_s):

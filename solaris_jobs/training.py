@@ -281,7 +281,7 @@ def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConf
     with torch.inference_mode():
         metrics = {"test_mse": float(ae.loss(h_test)), "test_explained_variance": ae.explained_variance(h_test),
                    "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
-                   "fm_version": fm_meta["model_version"]}
+                   "fm_version": fm_meta["model_version"], "split": _split_info(data)}
     logger.info("ae: test explained variance %.3f", metrics["test_explained_variance"])
     metrics["model_version"] = save_checkpoint(ae, out, extra={"metrics": metrics, "fm_version":
                                                                fm_meta["model_version"]})

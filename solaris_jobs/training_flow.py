@@ -28,6 +28,30 @@ def new_version_dir(run_id: str) -> str:
     return str(path)
 
 
+def served_protocol(root: str, o: dict):
+    """The training DAG's time protocol (``evaluation.protocol.Protocol``): the FM, autoencoder and verifier learn
+    from the log before ``t1 = end - served_hours`` (early stopping on its last tenth); the ranker's VM trains on
+    what a replay of ``[t1, end)`` served with them (out of their sample), validating on the window's last quarter.
+    ``end`` is the log's last event, rounded up to ``served_every``.
+
+    Raises:
+        ValueError: the log is shorter than the served window.
+    """
+    from solaris_jobs import events as ev
+    from solaris_jobs.evaluation.protocol import Protocol
+    every = pd.Timedelta(o["served_every"])
+    ts = ev.read_events(root, columns=["user_id", "item_id", "event_timestamp"]).column("event_timestamp").cast(
+        "int64").to_numpy()
+    end = pd.Timestamp(int(ts.max()), unit="us", tz="UTC").floor(every) + every
+    t0 = pd.Timestamp(int(ts.min()), unit="us", tz="UTC").floor("D")
+    t1 = end - pd.Timedelta(hours=o["served_hours"])
+    if t1 <= t0 + every:
+        raise ValueError(f"{root}: the log ({t0.isoformat()} to {end.isoformat()}) is not longer than the served "
+                         f"window (SOLARIS_TRAIN served_hours={o['served_hours']})")
+    valid_from = max((t1 + (end - t1) * 0.75).floor(every), t1 + every) if end - t1 > every else t1 + every / 2
+    return Protocol(t0, t1, end, end + every, valid_from, (t1 - (t1 - t0) / 10).floor("min"))
+
+
 def train(kind: str, version_dir: str) -> dict:
     """Trains one model of the version (fm, ae, vm = the verifier, vm_transfer = the ranker's VM)."""
     from solaris_jobs import training
@@ -38,55 +62,52 @@ def train(kind: str, version_dir: str) -> dict:
     root = Settings.from_env(require=False).data
     if not root:
         raise ValueError("set the data root (Settings.data) for training")
-    data = training.load_dataset(root, o["history_len"], max_train_rows=o["max_train_rows"], seed=o["seed"])
+    P = served_protocol(root, o)
+    if kind == "vm_transfer":
+        return json.loads(json.dumps(train_served_vm(root, d, o, P), default=str))
+    if kind not in ("fm", "ae", "vm"):
+        raise ValueError(f"unknown model kind {kind!r}")
+    # Nothing from the served window reaches the FM, the autoencoder or the verifier: the ranker's VM trains on
+    # their outputs there, which must be out of their sample as in serving.
+    data = training.load_dataset(root, o["history_len"], max_train_rows=o["max_train_rows"], seed=o["seed"],
+                                 cuts=(P.fm_valid_from, P.t1))
     if kind == "fm":
         m = training.train_fm(data, d / "fm.pt", cfg, d_model=o["d_model"], n_layers=o["layers"],
                               d_interaction=o["d_interaction"])
     elif kind == "ae":
         m = training.train_ae(data, d / "fm.pt", d / "ae.pt", cfg, d_code=o["d_code"])
-    elif kind == "vm":
-        m = training.train_vm(data, d / "vm.pt", cfg)
-    elif kind == "vm_transfer":
-        m = train_served_vm(root, d, o)
     else:
-        raise ValueError(f"unknown model kind {kind!r}")
+        m = training.train_vm(data, d / "vm.pt", cfg)
     return json.loads(json.dumps({k: v for k, v in m.items() if k != "history"}, default=str))
 
 
-def train_served_vm(root: str, version_dir: Path, o: dict) -> dict:
+def train_served_vm(root: str, version_dir: Path, o: dict, P) -> dict:
     """The ranker's VM, trained on what the store would serve it: the refresh and the serving client replayed
-    (``solaris_jobs.replay``) over the log's last ``served_hours`` with this version's FM, autoencoder and verifier,
-    the refresh settings of the environment and the views' TTLs; rows before that window carry tier none. The last
-    quarter of the window is the validation slice. Output: ``vm_transfer.pt`` (fm_age input, all tiers)."""
+    (``solaris_jobs.replay``) over ``[P.t1, P.t2)`` with this version's FM, autoencoder and verifier (trained before
+    ``P.t1``), the refresh settings of the environment and the views' TTLs; rows before that window carry tier none
+    (nothing of this version was served then). Validation: ``[P.valid_from, P.t2)``. Output: ``vm_transfer.pt``
+    (all tiers, tier and age inputs)."""
     import numpy as np
 
     from solaris_jobs import events as ev
     from solaris_jobs import jobs, model_refs, replay, training
     from solaris_jobs.evaluation import variants
-    from solaris_jobs.evaluation.protocol import Protocol
     from solaris_jobs.event_source import EventTable
     from solaris_jobs.feature_views import views
     every = pd.Timedelta(o["served_every"])
     table = ev.read_events(root)
-    ts = table.column("event_timestamp").cast("int64").to_numpy()
-    end = pd.Timestamp(int(ts.max()), unit="us", tz="UTC").floor(every) + every
-    t1 = end - pd.Timedelta(hours=o["served_hours"])
-    t0 = pd.Timestamp(int(ts.min()), unit="us", tz="UTC").floor("D")
-    valid_from = (t1 + (end - t1) * 0.75).floor(every)
-    P = Protocol(t0, t1, end, end + every, valid_from if valid_from > t1 else t1 + every, t0 + (t1 - t0) / 2)
     s = Settings.from_env(models=str(version_dir), offline=str(version_dir / "served" / "offline"), require=False)
     models = model_refs.resolve(version_dir, ("fm", "ae", "vm"))
     ttls = {f"SOLARIS_TTL_{n.upper()}": f"{int(v.ttl.total_seconds())}s" for n, v in views().items()}
-    plan = replay.ReplayPlan(t1, end, every, pd.Timedelta(minutes=10), ttls)
+    plan = replay.ReplayPlan(P.t1, P.t2, every, pd.Timedelta(minutes=10), ttls)
     rec = replay.run(jobs.session(s, "train-served"), s, EventTable(table, root), models, plan,
                      version_dir / "served")
     data = training.load_dataset(root, models.history_len, cuts=(P.valid_from, P.t2))
-    out = variants.train_on_served(data, P, replay.read_served(version_dir / "served"), models,
-                                   version_dir / "vm_transfer.pt", seed=o["seed"])
-    out.update(mode="transfer", served_window=[t1.isoformat(), end.isoformat()], served_every=str(every),
-               replay_wall_s=rec["wall_s"], fm_version=models.fm.version, ae_version=models.ae.version,
-               served_tiers=np.bincount(replay.read_served(version_dir / "served").column("tier").to_numpy(),
-                                        minlength=4).tolist())
+    served = replay.read_served(version_dir / "served")
+    out = variants.train_on_served(data, P, served, models, version_dir / "vm_transfer.pt", seed=o["seed"])
+    out.update(mode="transfer", protocol=P.to_dict(), served_every=str(every), replay_wall_s=rec["wall_s"],
+               fm_version=models.fm.version, ae_version=models.ae.version,
+               served_tiers=np.bincount(served.column("tier").to_numpy(), minlength=4).tolist())
     return out
 
 

@@ -50,12 +50,16 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     # No gap (FM = VM): no TR is quoted, whatever the variant did.
     flat = metrics.summarize_losses({"vm": l_vm, "fm": l_vm, "x": l_x}, users, labels, probs)
     assert not flat["tr_quoted"] and flat["variants"]["x"]["tr"] is None
+    # A VM no better than the base rate: the FM's gap is real, but a ratio over that baseline is not quoted.
+    weak = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "base": l_vm - 0.01}, users, labels, probs,
+                                    floor="base")
+    assert weak["gap"]["ci"][0] > 0 and not weak["baseline_beats_floor"]["met"] and not weak["tr_quoted"]
     # Coverage: rows per tier as served, ages per tier.
     from solaris_jobs.replay import tier_summary
     t = tier_summary(np.array([0, 0, 1, 3]), np.array([3600.0, 7200.0, 1800.0, np.nan]))
     assert t["coverage_counts"] == {"pair": 2, "user_aggregate": 1, "neighbour": 0, "none": 1}
-    assert t["coverage"]["pair"] == 0.5 and t["age_hours"] == {"pair": 1.5, "user_aggregate": 0.5,
-                                                               "neighbour": None}
+    assert t["coverage"]["pair"] == 0.5 and t["age_hours"]["neighbour"] is None
+    assert t["age_hours"]["pair"]["mean_h"] == 1.5 and t["age_hours"]["user_aggregate"]["p50_h"] == 0.5
     # The pair ceiling: a row counts if its pair was in the log before the last refresh (hourly from 0).
     h = 3_600_000_000
     log_u, log_i, log_t = np.array([1, 1, 2]), np.array([7, 8, 7]), np.array([int(0.5 * h), int(2.2 * h), 3 * h])
@@ -134,7 +138,7 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
     t1, t2 = pd.Timestamp(P["t1"]), pd.Timestamp(P["t2"])
     seed = report["per_seed"][0]
     # The FM, autoencoder and verifier saw nothing from t1 on (their own test split starts there).
-    for kind in ("fm", "vm"):
+    for kind in ("fm", "ae", "vm"):
         assert pd.Timestamp(seed["models"][kind]["split"]["test_from"]) == t1
     assert pd.Timestamp(seed["models"]["fm"]["split"]["valid_from"]) == pd.Timestamp(P["fm_valid_from"])
     rec = json.loads((out / "seed0" / "replay-b1" / "replay.json").read_text())
@@ -157,8 +161,21 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
         emb = emb.set_index(["user_id", "item_id"])["embedding"]
         want = np.stack(emb.loc[list(zip(rows.user_id, rows.item_id))].to_numpy())
         np.testing.assert_array_equal(np.stack(rows.embedding.to_numpy()), want)
-    # Test requests are served by refreshes of the test period or before it only; none before t1 is served.
-    assert served.event_timestamp.min() >= t1 and (served.refresh >= -1).all()
+    # Every row, whatever its tier, was served from the store as the latest refresh visible at its time left it:
+    # that refresh's outputs were visible before the request and the next refresh's were not yet.
+    cut = sorted(visible)
+    vis = np.array([visible[c].value for c in cut])
+    ns = lambda col: np.array([t.value for t in col])
+    ts = ns(served.event_timestamp)
+    latest = np.searchsorted(vis, ts, side="right") - 1          # -1: before the first refresh was visible
+    np.testing.assert_array_equal(served.refresh.to_numpy(), latest)
+    # ... and nothing it served is younger than the refresh that made it: a row's source time is that refresh's
+    # cutoff or an earlier one.
+    has = served.tier.to_numpy() < 3
+    src_all = (served.event_timestamp - pd.to_timedelta(served.age_s, unit="s")).dt.round("s")[has]
+    own = np.array([cut[r].value for r in served.refresh.to_numpy()[has]])
+    assert (ns(src_all) <= own).all()
+    assert served.event_timestamp.min() >= t1 and (served.refresh[has] >= 0).all()
     assert report["per_seed"][0]["headline"]["coverage"]["test"]["rows"] == int((served.event_timestamp >= t2).sum())
 
 

@@ -8,7 +8,9 @@ itself (``jobs.aggregate``) and the neighbour embeddings from the same neighbour
 neighbour_embeddings``), then serve the same requests again through ``FeatureReader`` with the refreshes visible
 when the replay made them visible (``replay.serve_again``). A cadence of m x the replay's takes every m-th refresh
 with m times the budget (the refresh at T sees the same log and pool; its budget covers m intervals' rows). Misses
-change nothing here: in a replay of a log, a missed pair is a logged pair, already in the pool as recently ranked.
+change nothing here: in a replay of a log, a missed pair is a logged pair, already in the pool as recently ranked
+(``derive`` checks the settings that make all this hold). The cadence derivation keeps each kept refresh's
+visibility time from the hourly replay; it is not compared with a replay run at that cadence.
 """
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.Repl
     Raises:
         ValueError: the base replay selected fewer pairs than the derived budget needs (run it at a larger budget).
     """
+    cfg = s.precompute
+    # When masking is exact: one global ranking under a budget, no negative exclusion (its bottoms would depend on
+    # the pool), and every miss already in the pool as a recently ranked pair.
+    if cfg.budget_per_row is None or cfg.exclusion_runs or cfg.miss_hours > cfg.recent_hours:
+        raise ValueError("a budget curve is derived by masking only from a budgeted replay without negative exclusion "
+                         f"whose misses are recently ranked pairs (budget_per_row={cfg.budget_per_row}, "
+                         f"exclusion_runs={cfg.exclusion_runs}, miss_hours={cfg.miss_hours} > recent_hours="
+                         f"{cfg.recent_hours}?)")
     out = Path(out)
     derived = s.override(offline=str(out / "offline"))
     period = plan.every * every

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from models.vm import TIERS
+
 logger = logging.getLogger(__name__)
 
-TIERS = ("pair", "user_aggregate", "neighbour", "none")
 LABELS = {"vm": "VM", "vm_kd": "VM + KD", "tiers_only": "VM + tier/age only (embeddings zeroed)",
           "pair": "VM + SOLARIS, pair tier", "pair_agg": "VM + SOLARIS, pair + aggregate",
           "solaris": "VM + SOLARIS, all tiers", "solaris_kd": "VM + SOLARIS all tiers + KD",
@@ -94,8 +95,12 @@ def _plots(report: dict, out: Path) -> dict:
         ax.set_title("Transfer ratio vs coverage (budget curve)", fontsize=9)
         files["tr_vs_coverage"] = _save(fig, out / "tr_vs_coverage.png")
 
+    fc = None
     if curves and curves.get("fast_cadence"):
         fc = curves["fast_cadence"]["coverage"]
+    elif curves and curves.get("cadence"):
+        fc = {p["cadence"]: p["coverage"] for p in curves["cadence"]}
+    if fc:
         names = list(fc)
         fig, ax = plt.subplots(figsize=(5, 3.2))
         x = np.arange(len(names))
@@ -105,7 +110,7 @@ def _plots(report: dict, out: Path) -> dict:
         ax.set_xlabel("refresh cadence (same budget per served row)")
         ax.set_ylabel("share of rows")
         ax.legend(fontsize=8)
-        ax.set_title("Coverage vs cadence (test hours of the fast replay)", fontsize=9)
+        ax.set_title("Coverage vs cadence (same budget per served row)", fontsize=9)
         files["coverage_vs_cadence"] = _save(fig, out / "coverage_vs_cadence.png")
 
     # TR per variant with intervals, every seed.
@@ -154,7 +159,7 @@ def markdown(report: dict, files: dict) -> str:
     L.append("")
     t = report["targets"]
     L.append("| seed | FM beats VM >= 2% | TR(all tiers) >= 0.3 | TR >= 1.5 x TR(KD) (paired bound) | "
-             "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row |")
+             "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row (pairs + user embeddings) |")
     L.append("|---|---|---|---|---|---|---|")
     yes = lambda b: "yes" if b else "**no**"
     for p in t["per_seed"]:
