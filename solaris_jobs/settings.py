@@ -395,6 +395,14 @@ def view_ttl(view: str, env=None) -> tuple[str, str]:
     return var, env.get(var) or VIEW_TTLS[view]
 
 
+def ttl_env(ttls: dict[str, str]) -> dict[str, str]:
+    """The environment that sets these views' TTLs: ``{"pair_embeddings": "24h"}`` -> its variable and value."""
+    unknown = set(ttls) - set(VIEW_TTLS)
+    if unknown:
+        raise ValueError(f"no feature view named {sorted(unknown)}; the views are {sorted(VIEW_TTLS)}")
+    return {view_ttl(v, {})[0]: str(d) for v, d in ttls.items()}
+
+
 def feature_repo(explicit=None, env=None) -> Path:
     """The Feast repo: ``explicit``, else ``SOLARIS_FEATURE_REPO``, else this project's ``feature_repo/``."""
     env = os.environ if env is None else env

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from solaris_jobs.settings import Settings, train_settings
+from solaris_jobs.settings import Settings, train_settings, ttl_env
 from solaris_jobs.settings import model_registry as registry
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def served_protocol(root: str, o: dict):
     t1 = end - pd.Timedelta(hours=o["served_hours"])
     if t1 <= t0 + every:
         raise ValueError(f"{root}: the log ({t0.isoformat()} to {end.isoformat()}) is not longer than the served "
-                         f"window (SOLARIS_TRAIN served_hours={o['served_hours']})")
+                         f"window (training setting served_hours={o['served_hours']})")
     valid_from = max((t1 + (end - t1) * 0.75).floor(every), t1 + every) if end - t1 > every else t1 + every / 2
     return Protocol(t0, t1, end, end + every, valid_from, (t1 - (t1 - t0) / 10).floor("min"))
 
@@ -98,7 +98,7 @@ def train_served_vm(root: str, version_dir: Path, o: dict, P) -> dict:
     table = ev.read_events(root)
     s = Settings.from_env(models=str(version_dir), offline=str(version_dir / "served" / "offline"), require=False)
     models = model_refs.resolve(version_dir, ("fm", "ae", "vm"))
-    ttls = {f"SOLARIS_TTL_{n.upper()}": f"{int(v.ttl.total_seconds())}s" for n, v in views().items()}
+    ttls = ttl_env({n: f"{int(v.ttl.total_seconds())}s" for n, v in views().items()})
     plan = replay.ReplayPlan(P.t1, P.t2, every, pd.Timedelta(minutes=10), ttls)
     rec = replay.run(jobs.session(s, "train-served"), s, EventTable(table, root), models, plan,
                      version_dir / "served")

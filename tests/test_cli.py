@@ -17,7 +17,7 @@ def test_every_command_has_help():
     runner = CliRunner()
     paths = list(_commands(main))
     assert {("data", "movielens"), ("data", "synth"), ("train", "fm"), ("train", "ae"), ("train", "vm"),
-            ("demo",)} <= set(paths)
+            ("demo",), ("evaluate",)} <= set(paths)
     for path in paths:
         res = runner.invoke(main, [*path, "--help"])
         assert res.exit_code == 0, (path, res.output)
@@ -46,6 +46,8 @@ def test_synth_candidates_and_train_through_the_cli(tmp_path):
 
 
 def test_bad_input_is_a_clear_cli_error(tmp_path):
+    res = CliRunner().invoke(main, ["data", "synth", "--out", str(tmp_path / "s"), "--positive-rate", "1.5"])
+    assert res.exit_code == 1 and "Error: SynthConfig.positive_rate = 1.5 is outside [0.0, 1.0]" in res.output
     res = CliRunner().invoke(main, ["train", "vm", "--data", str(tmp_path), "--out", str(tmp_path / "x.pt")])
     assert res.exit_code == 1 and f"Error: {tmp_path}: no event log" in res.output
     res = CliRunner().invoke(main, ["data", "movielens", "--out", str(tmp_path / "o"), "--source", str(tmp_path)])

@@ -97,10 +97,11 @@ def quick_config(**kw) -> EvalConfig:
 
 def movielens_config(**kw) -> EvalConfig:
     """MovieLens-100K: the 80/10/10 time split of DESIGN.md (t1, t2 at the 80% and 90% quantiles); people rate in
-    bursts weeks apart, so a daily refresh with week-long windows and TTLs, and no sequence-share sweep."""
+    bursts weeks apart, so a daily refresh with week-long windows and TTLs; no sequence-share sweep and no curves
+    (reported with intervals, no target)."""
     base = dict(dataset="movielens", cadence="1d", delay="10min", ttl_pair="7d", ttl_aggregate="7d",
                 ttl_neighbour="7d", aggregate_hours=168.0, active_hours=168.0, recent_hours=168.0,
-                slow_cadence=7, fast_cadence=None, sequence_shares=(),
+                slow_cadence=7, fast_cadence=None, sequence_shares=(), curves=False,
                 models=ModelsConfig(max_train_rows=None, fm_epochs=3, vm_epochs=8, batch_size=256))
     return EvalConfig(**{**base, **kw})
 
@@ -149,8 +150,9 @@ def _settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Path, budg
 
 
 def _ttls(cfg: EvalConfig) -> dict:
-    return {"SOLARIS_TTL_PAIR_EMBEDDINGS": cfg.ttl_pair, "SOLARIS_TTL_USER_AGGREGATES": cfg.ttl_aggregate,
-            "SOLARIS_TTL_NEIGHBOURS": cfg.ttl_neighbour}
+    from solaris_jobs.settings import ttl_env
+    return ttl_env({"pair_embeddings": cfg.ttl_pair, "user_aggregates": cfg.ttl_aggregate,
+                    "neighbours": cfg.ttl_neighbour})
 
 
 def duration(td: pd.Timedelta) -> str:
