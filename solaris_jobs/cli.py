@@ -225,9 +225,12 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 @click.option("--sequence-shares", default=None,
               help="The sweep, comma-separated (default 0,0.25,0.5,0.75; 'none' to skip).")
 @click.option("--no-curves", is_flag=True, help="Skip the budget and cadence curves.")
+@click.option("--fast-cadence", default=None, help="The fast-cadence replay of the curves (default 15min on synth; "
+                                                  "'none' to skip: it costs about as much as the headline replay).")
 @click.option("--master", default="local[2]", help="Spark master for the replay.")
 @click.option("--fresh", is_flag=True, help="Delete --out first (otherwise unchanged steps are reused).")
-def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, master, fresh) -> None:
+def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, fast_cadence, master,
+                 fresh) -> None:
     """The replay evaluation: models trained before t1, the refresh and the serving client walked over [t1, t3) as
     production runs them, the ranker's VM trained on what was served; TR vs KD, coverage by tier and FM compute per
     served row, with paired-bootstrap intervals. Writes report.json and report.md (with plots)."""
@@ -249,6 +252,14 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
         kw["sequence_shares"] = () if sequence_shares == "none" else tuple(float(x) for x in sequence_shares.split(","))
     if no_curves:
         kw["curves"] = False
+    if fast_cadence:
+        if fast_cadence != "none":
+            import pandas as pd
+            try:
+                pd.Timedelta(fast_cadence)
+            except ValueError as e:
+                raise click.BadParameter(f"not a duration: {fast_cadence!r} ({e})", param_hint="--fast-cadence")
+        kw["fast_cadence"] = None if fast_cadence == "none" else fast_cadence
     report = ev.evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
     click.echo(ev.headline_table(report))
     click.echo(f"report: {Path(out) / 'report.md'} (and report.json)")

@@ -84,7 +84,8 @@ def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
     Coverage: the interval's logged rows (its requests) served again through ``FeatureReader`` at their own times
     from the online store as the interval found it (the DAG runs this step before ``materialize``): per tier the
     share of rows, with every view's TTL, the embedding version of the current models and "nothing newer than the
-    request" applied, exactly as serving does (``replay.tier_summary``; the evaluation uses the same). Freshness:
+    request" applied, exactly as serving does (``replay.tier_summary``; the evaluation uses the same); before the
+    first materialization (``store_empty``) every row is tier none and the store is not read. Freshness:
     the newest materialized interval and how old the interval's features are now (the clock). Written to
     ``<offline>/reports/end=.../report.json`` and returned.
     """
@@ -96,21 +97,23 @@ def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
     ev = source.table(start, end, columns=["user_id", "item_id", "event_timestamp", "label", "request_id"])
     cfg = store(s)
     models = model_refs.resolve(s.models, ("fm", "ae"), s.precompute.history_len)
+    stored = materialized_intervals(cfg)
+    latest = max(stored) if stored else None
     server = Server(ev, cfg, models.embedding_version, int(models.ae.config["d_code"]), env=None)
+    served = {}
     try:
-        server.serve_until(end)
-        served = server.metrics()["counts"]
+        if stored:                 # before the first materialization there is no store: every row is tier none
+            server.serve_until(end)
+            served = server.metrics()["counts"]
     finally:
         server.close()
     summary = tier_summary(server.tier, server.age)
-    stored = materialized_intervals(cfg)
-    latest = max(stored) if stored else None
     now = (clock or wall_clock)()
     out = {"interval_start": start.isoformat(), "interval_end": end.isoformat(), "events": ev.num_rows,
            "requests": server.n_requests, **summary,
            "coverage": summary["coverage"] if ev.num_rows else {k: None for k in summary["coverage"]},
            "embedding_version": models.embedding_version, "store": cfg.describe(),
-           "fail_open": int(served.get("fail_open", 0)),
+           "fail_open": int(served.get("fail_open", 0)), "store_empty": not stored,
            "latest_materialized_end": latest.isoformat() if latest else None,
            "feature_age_hours_now": round((now - end).total_seconds() / 3600, 2)}
     off.write_report(s.offline, end, out)

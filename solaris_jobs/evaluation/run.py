@@ -81,6 +81,19 @@ class EvalConfig:
         d.pop("spark_master")
         return d
 
+    def replay_key(self) -> dict:
+        """What a replay's outputs depend on (its budget and plan are keyed apart): not the seeds, the curves'
+        points, the VM training or the bootstrap, so changing those reuses the replays already run."""
+        d = self.key()
+        for k in REPLAY_INDEPENDENT:
+            d.pop(k)
+        return d
+
+
+REPLAY_INDEPENDENT = ("seeds", "sequence_shares", "budget", "budgets", "slow_cadence", "fast_cadence",
+                      "fast_hours_before", "fast_hours_after", "vm_epochs", "vm_batch_size", "grid_points",
+                      "sweep_variants", "n_boot", "curves")
+
 
 def quick_config(**kw) -> EvalConfig:
     """About ten minutes on 2 cores (``make demo``): 1,000 synthetic users over 2.5 days refreshed every 2 h, one
@@ -189,7 +202,7 @@ def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget:
             warm_key: str = "") -> dict:
     from solaris_jobs import replay
     out = ctx.out / name
-    key = {"cfg": ctx.cfg.key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
+    key = {"cfg": ctx.cfg.replay_key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
            "budget": budget, "root": str(ctx.root), "warm": warm_key}
     done = _cached_json(out / "done.json", key)
     if done is not None and (out / "served.parquet").exists():
