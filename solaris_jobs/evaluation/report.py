@@ -53,12 +53,11 @@ def _plots(report: dict, out: Path) -> dict:
         n_train = len(cov["served_training"].get("per_interval", []))
         ax.axvline(n_train - 0.5, color="k", lw=1)
         ax.text(n_train, 1.02, "test", fontsize=8)
-        ax.set_xlabel(f"refresh interval from t1 ({report['config']['cadence']} each)")
-        ax.set_ylabel("share of served rows")
         ax.set_ylim(0, 1.08)
-        ax.legend(fontsize=7, ncol=4, loc="lower right")
-        ax.set_title("Tier served per row, through FeatureReader (seed %d)" % first["seed"], fontsize=9)
-        files["tiers_over_time"] = _save(fig, out / "tiers_over_time.png")
+        files["tiers_over_time"] = _finish(fig, ax, out / "tiers_over_time.png",
+                                           "Tier served per row, through FeatureReader (seed %d)" % first["seed"],
+                                           f"refresh interval from t1 ({report['config']['cadence']} each)",
+                                           "share of served rows", fontsize=7, ncol=4, loc="lower right")
 
     curves = first.get("curves")
     if curves and curves.get("budget"):
@@ -70,11 +69,8 @@ def _plots(report: dict, out: Path) -> dict:
         ax.plot(fmr, [p["coverage"]["ceiling"] for p in pts], "k--", lw=1, label="pair ceiling")
         if all(x and x > 0 for x in fmr):
             ax.set_xscale("log", base=2)
-        ax.set_xlabel("FM inferences per served row")
-        ax.set_ylabel("share of test rows")
-        ax.legend(fontsize=8)
-        ax.set_title("Coverage vs FM compute", fontsize=9)
-        files["coverage_vs_budget"] = _save(fig, out / "coverage_vs_budget.png")
+        files["coverage_vs_budget"] = _finish(fig, ax, out / "coverage_vs_budget.png", "Coverage vs FM compute",
+                                              "FM inferences per served row", "share of test rows")
 
         fig, ax = plt.subplots(figsize=(5, 3.2))
         tr = [p["solaris"]["tr"] for p in pts]
@@ -89,11 +85,9 @@ def _plots(report: dict, out: Path) -> dict:
             ax.plot(xp, ys, "x:", label="(same points vs pair coverage)")
             for p, x, y in zip([p for p, o in zip(pts, ok) if o], xs, ys):
                 ax.annotate(f"{p['budget_per_row']:g}/row", (x, y), fontsize=7)
-        ax.set_xlabel("coverage of test rows")
-        ax.set_ylabel("TR (BCE)")
-        ax.legend(fontsize=8)
-        ax.set_title("Transfer ratio vs coverage (budget curve)", fontsize=9)
-        files["tr_vs_coverage"] = _save(fig, out / "tr_vs_coverage.png")
+        files["tr_vs_coverage"] = _finish(fig, ax, out / "tr_vs_coverage.png",
+                                          "Transfer ratio vs coverage (budget curve)", "coverage of test rows",
+                                          "TR (BCE)")
 
     fc = None
     if curves and curves.get("fast_cadence"):
@@ -107,11 +101,9 @@ def _plots(report: dict, out: Path) -> dict:
         ax.bar(x - 0.2, [fc[n]["shares"]["pair"] for n in names], 0.4, label="pair tier")
         ax.bar(x + 0.2, [fc[n]["any_tier"] for n in names], 0.4, label="any tier")
         ax.set_xticks(x, names)
-        ax.set_xlabel("refresh cadence (same budget per served row)")
-        ax.set_ylabel("share of rows")
-        ax.legend(fontsize=8)
-        ax.set_title("Coverage vs cadence (same budget per served row)", fontsize=9)
-        files["coverage_vs_cadence"] = _save(fig, out / "coverage_vs_cadence.png")
+        files["coverage_vs_cadence"] = _finish(fig, ax, out / "coverage_vs_cadence.png",
+                                               "Coverage vs cadence (same budget per served row)",
+                                               "refresh cadence (same budget per served row)", "share of rows")
 
     # TR per variant with intervals, every seed.
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -128,14 +120,18 @@ def _plots(report: dict, out: Path) -> dict:
                         label=f"seed {r['seed']}" if n == names[0] else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(np.arange(len(names)), [SHORT[n] for n in names], rotation=25, ha="right", fontsize=7)
-    ax.set_ylabel("TR (BCE), 95% interval")
-    ax.legend(fontsize=7)
-    ax.set_title("Transfer ratio per variant (test)", fontsize=9)
-    files["tr_per_variant"] = _save(fig, out / "tr_per_variant.png")
+    files["tr_per_variant"] = _finish(fig, ax, out / "tr_per_variant.png", "Transfer ratio per variant (test)",
+                                      None, "TR (BCE), 95% interval", fontsize=7)
     return files
 
 
-def _save(fig, path: Path) -> str:
+def _finish(fig, ax, path: Path, title: str, xlabel: str | None, ylabel: str, **legend) -> str:
+    """Labels, legend and title of a one-axes plot, then saved (its file name)."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(**{"fontsize": 8, **legend})
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     import matplotlib.pyplot as plt
