@@ -29,20 +29,33 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     p = np.array([0.8, 0.2, 0.6, 0.4])
     assert metrics.row_bce(y, p) == pytest.approx(-np.log([0.8, 0.8, 0.6, 0.6]))
     assert metrics.auc(y, p) == 1.0 and metrics.auc(np.array([1, 0]), np.array([0.2, 0.8])) == 0.0
-    # Two users; per-row losses chosen so that every resample's TR is exactly 0.5 (X halfway between VM and FM).
+    # Two users with different FM gains (0.4 and 0.1 per row): the gap's interval is wide, but X is halfway between
+    # VM and FM on every row, so with every variant on the same resample each resample's TR is exactly 0.5 (an
+    # unpaired bootstrap would spread it).
     users = np.array([1, 1, 2, 2, 2])
     l_vm = np.array([0.4, 0.6, 0.5, 0.5, 0.5])
-    l_fm = l_vm - 0.2
-    l_x = l_vm - 0.1
+    gain = np.array([0.4, 0.4, 0.1, 0.1, 0.1])
+    l_fm, l_x = l_vm - gain, l_vm - 0.5 * gain
     labels = np.array([1, 0, 1, 0, 0])
     probs = {k: np.full(5, 0.5) for k in ("vm", "fm", "x", "kd")}
-    s = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "kd": l_vm - 0.02}, users, labels, probs,
-                                 boot=metrics.PairedBootstrap(users, 200, seed=1), kd="kd", solaris="x")
+    boot = metrics.PairedBootstrap(users, 200, seed=1)
+    s = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "kd": l_vm - 0.1 * gain}, users, labels, probs,
+                                 boot=boot, kd="kd", solaris="x")
     assert s["rows"] == 5 and s["users"] == 2 and s["tr_quoted"]
-    assert s["gap"]["value"] == pytest.approx(0.2) and s["gap"]["ci"] == pytest.approx((0.2, 0.2))
+    assert s["gap"]["value"] == pytest.approx(0.22) and s["gap"]["ci"][1] - s["gap"]["ci"][0] > 0.1
     assert s["variants"]["x"]["tr"] == pytest.approx(0.5) and s["variants"]["x"]["tr_ci"] == pytest.approx((0.5, 0.5))
     assert s["variants"]["kd"]["tr"] == pytest.approx(0.1)
     assert s["criterion"]["value"] == pytest.approx(0.5 - 1.5 * 0.1) and s["criterion"]["met"]
+    # KD worse than the VM: no ratio over it is quoted (met is None), and the target says so rather than "met".
+    bad = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "kd": l_vm + 0.1 * gain}, users, labels,
+                                   probs, boot=boot, kd="kd", solaris="x")
+    assert bad["criterion"]["ci"][0] > 0 and not bad["criterion"]["kd_transfers"] and bad["criterion"]["met"] is None
+    summary = {"seed": 0, "fm_gain_relative": 0.5, "tr_quoted": True, "fm_total_per_row": 0.5,
+               "tr": {"solaris": 0.5, "vm_kd": -0.1}, "tr_ci": {"solaris": (0.5, 0.5), "vm_kd": (-0.1, -0.1)},
+               "criterion": bad["criterion"], "coverage": {"pair_of_ceiling": 0.9, "any_tier": 0.95}}
+    targets = ev._targets([summary])
+    assert targets["per_seed"][0]["tr_solaris_at_least_1.5x_kd"] is None
+    assert targets["all_met"]["tr_solaris_at_least_1.5x_kd"] is None and targets["all_met"]["any_tier_at_least_90pct"]
     # The bootstrap resamples users, not rows: a resample holds all of a user's rows or none of them.
     b = metrics.PairedBootstrap(users, 50, seed=0)
     means = b.mean(np.array([1.0, 1.0, 0.0, 0.0, 0.0]))
@@ -120,11 +133,11 @@ def tiny_eval(spark, tmp_path_factory):
 
 
 def _strip(obj):
-    """report.json without its timings (wall times, latencies, seconds)."""
+    """report.json without its timings (wall times, latencies, seconds, reads over the time budget)."""
     if isinstance(obj, dict):
         return {k: _strip(v) for k, v in obj.items()
-                if not (k in ("timings", "latency_ms", "wall_s") or k.endswith("_s") or "seconds" in k
-                        or k.startswith("latency"))}
+                if not (k in ("timings", "latency_ms", "wall_s", "over_budget") or k.endswith("_s")
+                        or "seconds" in k or k.startswith("latency"))}
     if isinstance(obj, list):
         return [_strip(v) for v in obj]
     return obj

@@ -126,9 +126,12 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
     if kd and solaris and quoted:
         diff = trs[solaris] - factor * trs[kd]
         lo, hi = interval(diff)
+        # A ratio over a KD that does not transfer is no result: then the absolute TRs are (met is None).
+        kd_transfers = bool(out["variants"][kd]["tr_ci"][0] > 0)
         out["criterion"] = {"statistic": f"TR({solaris}) - {factor} x TR({kd})",
                             "value": out["variants"][solaris]["tr"] - factor * out["variants"][kd]["tr"],
-                            "ci": (lo, hi), "met": bool(lo > 0)}
+                            "ci": (lo, hi), "kd_transfers": kd_transfers,
+                            "met": bool(lo > 0) if kd_transfers else None}
     return out
 
 

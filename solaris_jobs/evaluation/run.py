@@ -565,14 +565,22 @@ def _targets(summaries: list[dict]) -> dict:
             "seed": s["seed"],
             "fm_beats_vm_by_2pct": bool(s["fm_gain_relative"] >= T["fm_beats_vm_relative"] and s["tr_quoted"]),
             "tr_solaris_at_least_0.3": bool(tr_s is not None and tr_s >= T["tr_solaris_min"]),
-            "tr_solaris_at_least_1.5x_kd": bool(s["criterion"] and s["criterion"]["met"]),
+            # None: KD's TR interval reaches 0, so no ratio over it is quoted (the absolute TRs are the result).
+            "tr_solaris_at_least_1.5x_kd": (bool(s["criterion"] and s["criterion"]["ci"][0] > 0)
+                                            if _kd_transfers(s) else None),
             "pair_at_least_80pct_of_ceiling": bool((s["coverage"]["pair_of_ceiling"] or 0) >= T["pair_of_ceiling_min"]),
             "any_tier_at_least_90pct": bool((s["coverage"]["any_tier"] or 0) >= T["any_tier_min"]),
             # All FM work counts: pair inferences and the neighbour tier's user embeddings.
             "fm_per_row_at_most_1": bool(s["fm_total_per_row"] is not None
                                          and s["fm_total_per_row"] <= T["fm_per_row_max"])})
+    keys = [k for k in (per[0] if per else {}) if k != "seed"]
     return {"targets": T, "per_seed": per,
-            "all_met": {k: all(p[k] for p in per) for k in (per[0] if per else {}) if k != "seed"}}
+            "all_met": {k: None if any(p[k] is None for p in per) else all(p[k] for p in per) for k in keys}}
+
+
+def _kd_transfers(s: dict) -> bool:
+    ci = (s.get("tr_ci") or {}).get("vm_kd")
+    return bool(ci and ci[0] > 0)
 
 
 def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
