@@ -67,6 +67,13 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     weak = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "base": l_vm - 0.01}, users, labels, probs,
                                     floor="base")
     assert weak["gap"]["ci"][0] > 0 and not weak["baseline_beats_floor"]["met"] and not weak["tr_quoted"]
+    # MovieLens's dates: quantiles of the event times, floored to days; t3 is the day after the last event.
+    from solaris_jobs.evaluation.protocol import by_quantiles
+    day_us = 86_400_000_000
+    P = by_quantiles(T0.value // 1000 + np.arange(100) * day_us // 4)       # 100 events over 25 days
+    assert (P.t0, P.t1, P.t2, P.t3) == (T0, T0 + pd.Timedelta(days=20), T0 + pd.Timedelta(days=22),
+                                         T0 + pd.Timedelta(days=25))
+    assert P.t1 < P.valid_from < P.t2 and P.fm_valid_from < P.t1
     # Coverage: rows per tier as served, ages per tier.
     from solaris_jobs.replay import tier_summary
     t = tier_summary(np.array([0, 0, 1, 3]), np.array([3600.0, 7200.0, 1800.0, np.nan]))

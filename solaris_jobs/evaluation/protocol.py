@@ -61,7 +61,7 @@ def by_quantiles(ts_us: np.ndarray, q1: float = 0.8, q2: float = 0.9, valid_shar
     s = np.sort(np.asarray(ts_us))
     at = lambda q: pd.Timestamp(int(s[min(int(len(s) * q), len(s) - 1)]), unit="us", tz="UTC").floor(floor)
     t0 = pd.Timestamp(int(s[0]), unit="us", tz="UTC").floor(floor)
-    t3 = pd.Timestamp(int(s[-1]), unit="us", tz="UTC").floor(floor) + pd.Timedelta(floor)
+    t3 = pd.Timestamp(int(s[-1]), unit="us", tz="UTC").floor(floor) + pd.tseries.frequencies.to_offset(floor)
     t1, t2 = at(q1), at(q2)
     return Protocol(t0, t1, t2, t3, (t2 - (t2 - t1) * valid_share).floor("h"),
                     (t1 - (t1 - t0) * fm_valid_share).floor("h"))

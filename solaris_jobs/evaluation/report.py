@@ -276,6 +276,23 @@ def markdown(report: dict, files: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def apply_kd_rule(obj) -> None:
+    """Sets ``kd_transfers`` and ``met`` (None when KD's TR interval reaches 0) on every KD criterion of a
+    report, from the intervals it already holds (``metrics.summarize_losses`` does the same for new runs)."""
+    if isinstance(obj, dict):
+        c = obj.get("criterion")
+        if isinstance(c, dict) and "ci" in c:
+            kd = (obj.get("variants") or {}).get("vm_kd") or {}
+            ci = kd.get("tr_ci") if kd else (obj.get("tr_ci") or {}).get("vm_kd")
+            c["kd_transfers"] = bool(ci and ci[0] > 0)
+            c["met"] = bool(c["ci"][0] > 0) if c["kd_transfers"] else None
+        for v in obj.values():
+            apply_kd_rule(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            apply_kd_rule(v)
+
+
 def _verdict(c: dict, kd: dict | None) -> str:
     """The paired KD criterion in words; no ratio is quoted over a KD whose TR interval reaches 0."""
     head = f"{c['statistic']} = {_f(c['value'], 3)}{_ci(c['ci'])}"
@@ -302,5 +319,7 @@ if __name__ == "__main__":          # re-render report.md and the plots from a r
     from solaris_jobs.evaluation.run import _targets
     src = Path(sys.argv[1])
     rep = json.loads(src.read_text())
-    rep["targets"] = _targets(rep["summary"])       # a pure function of the summaries: today's rule applies
+    apply_kd_rule(rep)                                # today's quoting rule on a report written before it
+    rep["targets"] = _targets(rep["summary"])       # a pure function of the summaries
+    src.write_text(json.dumps(rep, indent=1) + "\n")
     print(write(rep, src.parent))
