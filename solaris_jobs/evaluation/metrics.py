@@ -127,12 +127,17 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
         diff = trs[solaris] - factor * trs[kd]
         lo, hi = interval(diff)
         # A ratio over a KD that does not transfer is no result: then the absolute TRs are (met is None).
-        kd_transfers = bool(out["variants"][kd]["tr_ci"][0] > 0)
+        kd_transfers = transfers(out["variants"][kd]["tr_ci"])
         out["criterion"] = {"statistic": f"TR({solaris}) - {factor} x TR({kd})",
                             "value": out["variants"][solaris]["tr"] - factor * out["variants"][kd]["tr"],
                             "ci": (lo, hi), "kd_transfers": kd_transfers,
                             "met": bool(lo > 0) if kd_transfers else None}
     return out
+
+
+def transfers(tr_ci) -> bool:
+    """Whether a TR interval is above 0: the condition for quoting any ratio over that variant (KD)."""
+    return bool(tr_ci and tr_ci[0] is not None and tr_ci[0] > 0)
 
 
 def pair_ceiling(log_users, log_items, log_ts, users, items, ts, first_cutoff: int, every: int) -> np.ndarray:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from models.vm import TIERS
+from solaris_jobs.evaluation.metrics import transfers
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ def apply_kd_rule(obj) -> None:
         if isinstance(c, dict) and "ci" in c:
             kd = (obj.get("variants") or {}).get("vm_kd") or {}
             ci = kd.get("tr_ci") if kd else (obj.get("tr_ci") or {}).get("vm_kd")
-            c["kd_transfers"] = bool(ci and ci[0] > 0)
+            c["kd_transfers"] = transfers(ci)
             c["met"] = bool(c["ci"][0] > 0) if c["kd_transfers"] else None
         for v in obj.values():
             apply_kd_rule(v)
@@ -297,7 +298,7 @@ def _verdict(c: dict, kd: dict | None) -> str:
     """The paired KD criterion in words; no ratio is quoted over a KD whose TR interval reaches 0."""
     head = f"{c['statistic']} = {_f(c['value'], 3)}{_ci(c['ci'])}"
     ci = (kd or {}).get("tr_ci")
-    if not (ci and ci[0] > 0):
+    if not transfers(ci):
         return (f"{head}: no ratio quoted, KD's TR interval{_ci(ci)} reaches 0 (KD does not transfer here; the "
                 "absolute TRs above are the result).")
     return f"{head}: {'met' if c['ci'][0] > 0 else 'not met'}."

@@ -579,8 +579,7 @@ def _targets(summaries: list[dict]) -> dict:
 
 
 def _kd_transfers(s: dict) -> bool:
-    ci = (s.get("tr_ci") or {}).get("vm_kd")
-    return bool(ci and ci[0] > 0)
+    return metrics.transfers((s.get("tr_ci") or {}).get("vm_kd"))
 
 
 def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
