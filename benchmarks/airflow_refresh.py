@@ -27,11 +27,11 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from solaris_jobs import orchestration as o  # noqa: E402
-from solaris_jobs.settings import Settings  # noqa: E402
-from solaris_jobs.airflow_local import LocalAirflow  # noqa: E402
-from solaris_jobs.demo_refresh import _settings_env  # noqa: E402
-from tests.servers import feast_yaml  # noqa: E402
+from solaris_jobs.core.settings import Settings  # noqa: E402
+from solaris_jobs.dev.airflow_local import LocalAirflow  # noqa: E402
+from solaris_jobs.flows import refresh_steps as o  # noqa: E402
+from solaris_jobs.flows.demo import _settings_env  # noqa: E402
+from tests.support import feast_yaml  # noqa: E402
 
 HOUR = pd.Timedelta(hours=1)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from solaris_jobs import events as ev
+from solaris_jobs.core import events as ev
 
 
 def simulate(g: pd.DataFrame, key: np.ndarray, hour: np.ndarray, lo: int, hi: int, ttl: int, recent: int,

@@ -31,8 +31,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from solaris_jobs import offline as layout  # noqa: E402
-from tests.servers import RedisServer, feast_yaml  # noqa: E402
+from solaris_jobs.core import offline as layout  # noqa: E402
+from tests.support import RedisServer, feast_yaml  # noqa: E402
 
 END = pd.Timestamp("2026-01-05T01:00:00Z")
 VERSION = "fm-bench00000000+ae-bench00000000"
@@ -103,8 +103,8 @@ def main() -> None:
 
     import redis
 
-    from solaris_jobs import store_config
-    from solaris_jobs.materialize import materialize
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialize
     work = Path(tempfile.mkdtemp(prefix="solaris-bench-online-"))
     extra = ["--hash-max-listpack-value", "512"] if args.listpack else []
     results = {"d": D, "users": args.users, "listpack": args.listpack, "materialize": [], "cpu_count": os.cpu_count()}
@@ -150,7 +150,7 @@ def main() -> None:
         results["serving"] = serving(cfg, fs, args)
         results["ranker"] = ranker(cfg, args, work)
     if args.cluster:
-        from tests.servers import RedisClusterServer
+        from tests.support import RedisClusterServer
         with RedisClusterServer(work / "cluster") as cluster:
             ypath = feast_yaml(work / "feature_store.cluster.yaml", f'  type: redis\n  redis_type: redis_cluster\n'
                                f'  connection_string: "{cluster.url}"', registry=work / "registry_c.db")
@@ -171,7 +171,7 @@ def request_items(rng) -> np.ndarray:
 
 
 def serving(cfg, fs, args) -> dict:
-    from solaris_jobs.serving import FeatureReader
+    from solaris_jobs.online.reader import FeatureReader
     rng = np.random.default_rng(0)
     now = END + pd.Timedelta(hours=1)
     reader = FeatureReader(cfg, VERSION, D, budget_ms=50)
@@ -210,8 +210,8 @@ def ranker(cfg, args, work: Path) -> dict:
 
     from models import save_checkpoint
     from models.vm import VerticalModel, VMConfig
-    from solaris_jobs.ranker import Ranker
-    from solaris_jobs.serving import FeatureReader
+    from solaris_jobs.online.ranker import Ranker
+    from solaris_jobs.online.reader import FeatureReader
     torch.manual_seed(0)
     paths = {}
     for name, fm_dim in (("plain", 0), ("solaris", D)):

@@ -61,8 +61,8 @@ def torch_reference(data: str, models: str, pairs: pd.DataFrame, end: pd.Timesta
     import torch
 
     from models import batch_to_tensors, load_checkpoint
-    from solaris_jobs import events as ev
-    from solaris_jobs.features import EventIndex, Examples
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.core.model_inputs import EventIndex, Examples
     t0 = time.perf_counter()
     table = ev.read_events(data, end=end)
     index = EventIndex(table)
@@ -95,9 +95,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1024)
     ap.add_argument("--intervals", type=int, default=1, help="Consecutive hourly intervals ending at --end.")
     args = ap.parse_args()
-    from solaris_jobs import jobs
-    from solaris_jobs import offline as off
-    from solaris_jobs.settings import Settings, apply_flags
+    from solaris_jobs.core import offline as off
+    from solaris_jobs.core.settings import Settings, apply_flags
+    from solaris_jobs.pipeline import jobs
     offline = tempfile.mkdtemp(prefix="solaris_bench_offline_")
     s = apply_flags(Settings(data=args.data, offline=offline, models=args.models, spark_master=args.master), {
         "precompute.active_hours": args.active_hours, "precompute.lookback_days": args.lookback_days,
@@ -124,7 +124,7 @@ def main() -> None:
         selected = off.read_interval(spark, offline, "selection", end).where("selected") \
             .select("user_id", "item_id").toPandas()
         spark.stop()
-    from solaris_jobs import model_refs
+    from solaris_jobs.pipeline import model_refs
     L = model_refs.resolve(args.models, ("fm",), args.history_len).history_len
     ref = torch_reference(args.data, args.models, selected, end, L, args.batch_size)
     print(f"plain torch loop, same {ref['pairs']} pairs: read+index {ref['read_and_index_seconds']} s, FM+AE "

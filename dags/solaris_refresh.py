@@ -7,7 +7,7 @@ run the FM on them, recompute user aggregates and neighbours, report the interva
 resolved it from the store it found, then materialize all three into the online store. Each output is an Airflow Asset (`solaris_pair_embeddings`, ...), so other DAGs
 can be scheduled on it.
 
-Configured by the environment of the workers: one settings object, built by `solaris_jobs.settings.Settings.from_env()`
+Configured by the environment of the workers: one settings object, built by `solaris_jobs.core.settings.Settings.from_env()`
 when a task runs (`SOLARIS_DATA`, `SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`, ...; the README's
 table lists them all) and passed whole to the Spark steps, in-process or as `--settings` JSON through spark-submit.
 DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,
@@ -57,12 +57,12 @@ DOCS = {
 
 
 def _settings():
-    from solaris_jobs.settings import Settings
+    from solaris_jobs.core.settings import Settings
     return Settings.from_env()
 
 
 def _run(step: str) -> dict:
-    from solaris_jobs import orchestration as o
+    from solaris_jobs.flows import refresh_steps as o
     ctx = get_current_context()
     return o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"])
 

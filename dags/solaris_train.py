@@ -8,7 +8,7 @@ so that the online store holds embeddings of the new version. Old-version embedd
 ones: user aggregates only average pairs of one version, and the serving client only serves the version the
 ranker's VM was trained with (until the ranker loads the new VM it gets tier none for re-embedded keys).
 
-Environment (read by `solaris_jobs.settings` when a task runs): `SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY` (holds
+Environment (read by `solaris_jobs.core.settings` when a task runs): `SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY` (holds
 `versions/<stamp>/` and the `current` link; point `SOLARIS_MODELS` at `<registry>/current` for the refresh DAG),
 `SOLARIS_TRAIN` (JSON: epochs, history_len, d_model, layers, d_interaction, d_code, max_train_rows, batch_size,
 seed, served_hours and served_every: the replay the ranker's VM is trained on),
@@ -41,11 +41,11 @@ with DAG(
 
     @task(doc_md="Creates `versions/<run stamp>/` in the model registry for this run's checkpoints.")
     def prepare() -> str:
-        from solaris_jobs import training_flow as t
+        from solaris_jobs.flows import training_steps as t
         return t.new_version_dir(get_current_context()["run_id"])
 
     def _train(kind: str) -> dict:
-        from solaris_jobs import training_flow as t
+        from solaris_jobs.flows import training_steps as t
         return t.train(kind, _version_dir())
 
     trains = [task(task_id=f"train_{kind}", doc_md=doc)(_train)(kind) for kind, doc in (
@@ -58,13 +58,13 @@ with DAG(
 
     @task(doc_md="Checks the four checkpoints belong together and switches `current` to them atomically.")
     def publish() -> dict:
-        from solaris_jobs import training_flow as t
+        from solaris_jobs.flows import training_steps as t
         return t.publish(_version_dir())
 
     @task(doc_md="Re-embeds the latest refreshed interval with the new models (FM inference, aggregates, "
                  "neighbours) and materializes it: the online store holds the new version.")
     def reembed() -> dict:
-        from solaris_jobs import training_flow as t
+        from solaris_jobs.flows import training_steps as t
         return t.reembed_latest()
 
     chain = prepare()

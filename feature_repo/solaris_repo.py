@@ -2,15 +2,15 @@
 (pair embeddings, user aggregates, neighbours) over the pipeline's offline outputs, and the versioned
 FeatureService ``solaris_v1``.
 
-Names, fields and TTLs come from ``solaris_jobs.feature_views`` (shared with the materializer and the serving
-client). Sources read ``<offline>/<view>/`` (``solaris_jobs.settings.feast_offline_root()``: the configured
+Names, fields and TTLs come from ``solaris_jobs.online.views`` (shared with the materializer and the serving
+client). Sources read ``<offline>/<view>/`` (``solaris_jobs.core.settings.feast_offline_root()``: the configured
 offline store, else the demo's).
 """
 from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
 from feast.types import Array, Float32, Int32, Int64, String
 
-from solaris_jobs.feature_views import FEATURE_SERVICE, views
-from solaris_jobs.settings import feast_offline_root
+from solaris_jobs.core.settings import feast_offline_root
+from solaris_jobs.online.views import FEATURE_SERVICE, views
 
 OFFLINE = feast_offline_root()
 DTYPES = {"float_list": Array(Float32), "string": String, "int32": Int32, "int64_list": Array(Int64)}

@@ -32,7 +32,7 @@ class SideEmbedding(nn.Module):
             self.register_buffer(f"multi_{c}", torch.zeros(self.n_ids, int(v[1]), dtype=torch.long))
 
     def set_tables(self, cat: np.ndarray, multi: dict) -> None:
-        """Loads the side lookup tables built by ``solaris_jobs.features.side_tables``."""
+        """Loads the side lookup tables built by ``solaris_jobs.core.model_inputs.side_tables``."""
         self.cat_table.copy_(torch.as_tensor(cat, dtype=torch.long))
         for c in self.multi_cols:
             getattr(self, f"multi_{c}").copy_(torch.as_tensor(multi[c], dtype=torch.long))

@@ -18,9 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common import SideEmbedding, counter_features
-
-N_GAP_BUCKETS = 33
-N_SIGNALS = 8
+from solaris_jobs.core.contract import N_GAP_BUCKETS, N_SIGNALS
 
 
 @dataclass
@@ -74,7 +72,7 @@ class FoundationModel(nn.Module):
         return (enc * keep).sum(1) / keep.sum(1)                            # (B, d); empty token always kept
 
     def forward(self, b: dict) -> dict:
-        """b: batch tensors (see ``solaris_jobs.features.Examples.batch``).
+        """b: batch tensors (see ``solaris_jobs.core.model_inputs.Examples.batch``).
 
         Returns:
             ``logit`` (B,), ``rating`` (B,), ``h`` the interaction embedding (B, d_interaction).

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common import SideEmbedding, counter_features
-
-TIERS = ("pair", "user_aggregate", "neighbour", "none")
-TIER_NONE = TIERS.index("none")
+from solaris_jobs.core.contract import TIER_NONE, TIERS  # noqa: F401 (re-exported)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""One whole refresh of an interval in one Spark session (``solaris_jobs.jobs.run``): selection -> FM
+"""One whole refresh of an interval in one Spark session (``solaris_jobs.pipeline.jobs.run``): selection -> FM
 inference -> user aggregates -> neighbours. (The Airflow DAG runs the same steps as separate tasks.)
 
 A spark-submit entry point; the job lives in the library and takes the same arguments as ``solaris refresh``::
@@ -7,5 +7,5 @@ A spark-submit entry point; the job lives in the library and takes the same argu
         --start 2026-01-05T00:00Z --end 2026-01-05T01:00Z       # or --data D --offline O --models M ...
 """
 if __name__ == "__main__":
-    from solaris_jobs.cli import spark_submit_main
+    from solaris_jobs.flows.cli import spark_submit_main
     spark_submit_main("refresh")

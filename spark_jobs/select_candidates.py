@@ -1,4 +1,4 @@
-"""Candidate selection for one interval (``solaris_jobs.jobs.select``): active users (+ missed),
+"""Candidate selection for one interval (``solaris_jobs.pipeline.jobs.select``): active users (+ missed),
 request-simulator candidates, negative exclusion, verifier scores, top share selected. Output: ``selection``.
 
 A spark-submit entry point; the job lives in the library and takes the same arguments as ``solaris select``::
@@ -7,5 +7,5 @@ A spark-submit entry point; the job lives in the library and takes the same argu
         --start 2026-01-05T00:00Z --end 2026-01-05T01:00Z       # or --data D --offline O --models M ...
 """
 if __name__ == "__main__":
-    from solaris_jobs.cli import spark_submit_main
+    from solaris_jobs.flows.cli import spark_submit_main
     spark_submit_main("select")

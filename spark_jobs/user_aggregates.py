@@ -1,4 +1,4 @@
-"""User aggregates for one interval (``solaris_jobs.jobs.aggregate``): per user, the mean of their pair
+"""User aggregates for one interval (``solaris_jobs.pipeline.jobs.aggregate``): per user, the mean of their pair
 embeddings of the trailing window. Output: ``user_aggregates``.
 
 A spark-submit entry point; the job lives in the library and takes the same arguments as ``solaris aggregate``::
@@ -7,5 +7,5 @@ A spark-submit entry point; the job lives in the library and takes the same argu
         --start 2026-01-05T00:00Z --end 2026-01-05T01:00Z       # or --data D --offline O --models M ...
 """
 if __name__ == "__main__":
-    from solaris_jobs.cli import spark_submit_main
+    from solaris_jobs.flows.cli import spark_submit_main
     spark_submit_main("aggregate")

@@ -1,6 +1,6 @@
 import pandas as pd
 
-from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
+from solaris_jobs.data.requests import RequestSimulator, SimulatorConfig
 
 T0 = pd.Timestamp("2026-01-01T00:00:00Z")
 

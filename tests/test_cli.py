@@ -3,7 +3,7 @@ import json
 import click
 from click.testing import CliRunner
 
-from solaris_jobs.cli import main
+from solaris_jobs.flows.cli import main
 
 
 def _commands(group, prefix=()):

@@ -12,10 +12,8 @@ import pandas as pd
 import pytest
 
 from models import load_checkpoint
-from solaris_jobs.settings import Settings
-from tests.conftest import ML_CFG, ML_END
-from tests.outputs import assert_same_outputs
-from tests.servers import RedisServer, feast_yaml
+from solaris_jobs.core.settings import Settings
+from tests.support import ML_CFG, ML_END, assert_same_outputs, feast_yaml, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGS = ROOT / "dags"
@@ -115,9 +113,9 @@ def _dump_sqlite(path: Path) -> dict:
 
 def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
     """dag.test() of solaris_refresh for the interval ending ``end``, and what it must leave behind; the DAG."""
-    from solaris_jobs import store_config
-    from solaris_jobs.materialize import materialized_intervals
-    from solaris_jobs.serving import FeatureReader
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialized_intervals
+    from solaris_jobs.online.reader import FeatureReader
     dag = _load_dag(DAGS / "solaris_refresh.py")
     # A manual run's data interval is the one that ended at its logical date (run-after semantics).
     run = dag.test(logical_date=end.to_pydatetime())
@@ -127,7 +125,7 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
     assert set(states.values()) == {"success"} and len(states) == 8
     cfg = store_config.load(ROOT / "feature_repo", yaml_path)
     assert end in materialized_intervals(cfg)
-    from solaris_jobs import offline as off
+    from solaris_jobs.core import offline as off
     report = off.read_report(offline, end)
     assert report["interval_end"] == end.isoformat() and report["fail_open"] == 0
     # The report runs before materialize: on this fresh store the interval found nothing, so every row is none.
@@ -149,8 +147,8 @@ def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, s
     SparkSubmitOperators (spark-submit on a local[2] connection) and get the worker's settings whole (--settings).
     With non-default settings their outputs equal an in-process run of the same settings, row for row (when only
     the paths travelled, the jobs ran on the argparse defaults: a 30-day lookback, 24 active hours, L = 50)."""
-    from solaris_jobs import jobs
-    from solaris_jobs import offline as off
+    from solaris_jobs.core import offline as off
+    from solaris_jobs.pipeline import jobs
     offline = tmp_path / "offline"
     precompute = json.loads(_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5}
     for k, v in {"SOLARIS_OFFLINE": str(offline), "SOLARIS_PRECOMPUTE": json.dumps(precompute),
@@ -182,8 +180,8 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
     online-store contents (an interval builds on the ones before it, so the order is the same both times)."""
     from click.testing import CliRunner
 
-    from solaris_jobs import orchestration as o
-    from solaris_jobs.cli import main
+    from solaris_jobs.flows import refresh_steps as o
+    from solaris_jobs.flows.cli import main
     offline = tmp_path / "offline"
     monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
     yaml_path = _sqlite_yaml(tmp_path)
@@ -204,7 +202,7 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
     assert res.exit_code == 0, res.output
     assert [r["status"] for r in json.loads(res.stdout)] == ["skipped"] * 3
     import shutil
-    from solaris_jobs import offline as off
+    from solaris_jobs.core import offline as off
     shutil.rmtree(off.interval_uri(offline, "neighbours", start + 2 * HOUR))
     out = o.backfill(s, start, ML_END)
     assert [r["status"] for r in out] == ["skipped", "done", "skipped"]
@@ -215,9 +213,9 @@ def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
     """API server, scheduler, DAG processor and triggerer as real processes on free ports. One run is triggered
     and watched through the REST API, the interval before it is backfilled with Airflow's own
     `airflow backfill create`; every task runs in its own process (LocalExecutor), Spark included."""
-    from solaris_jobs import store_config
-    from solaris_jobs.airflow_local import LocalAirflow
-    from solaris_jobs.materialize import materialized_intervals
+    from solaris_jobs.dev.airflow_local import LocalAirflow
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialized_intervals
     yaml_path = _sqlite_yaml(tmp_path)
     env = {"SOLARIS_OFFLINE": str(tmp_path / "offline"), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
            "SOLARIS_END_DATE": ML_END.isoformat(), "SOLARIS_SPARK_MASTER": "local[2]",
@@ -248,10 +246,10 @@ def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
 def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path, monkeypatch):
     """dag.test() of solaris_train on MovieLens with tiny models: a new version folder, `current` switched
     atomically, the latest interval re-embedded and re-materialized with the new version only."""
-    from solaris_jobs import orchestration as o
-    from solaris_jobs import store_config
-    from solaris_jobs.materialize import materialized_intervals
-    from solaris_jobs.serving import FeatureReader
+    from solaris_jobs.flows import refresh_steps as o
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialized_intervals
+    from solaris_jobs.online.reader import FeatureReader
     reg = tmp_path / "registry"
     (reg / "versions").mkdir(parents=True)
     (reg / "current").symlink_to(Path(airflow_env["SOLARIS_MODELS"]), target_is_directory=True)
@@ -295,7 +293,7 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
 
 
 def test_reembed_finds_the_latest_intervals_start():
-    from solaris_jobs.training_flow import latest_start
+    from solaris_jobs.flows.training_steps import latest_start
     t = pd.Timestamp("2026-01-01T06:00", tz="UTC")
     assert latest_start({t: {"interval_start": "2026-01-01T02:00:00+00:00"}, t - HOUR: {}}) == t - 4 * HOUR
     assert latest_start({t: {}, t - 6 * HOUR: {}}) == t - 6 * HOUR        # recorded before starts were

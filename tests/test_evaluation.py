@@ -75,7 +75,7 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
                                          T0 + pd.Timedelta(days=25))
     assert P.t1 < P.valid_from < P.t2 and P.fm_valid_from < P.t1
     # Coverage: rows per tier as served, ages per tier.
-    from solaris_jobs.replay import tier_summary
+    from solaris_jobs.online.coverage import tier_summary
     t = tier_summary(np.array([0, 0, 1, 3]), np.array([3600.0, 7200.0, 1800.0, np.nan]))
     assert t["coverage_counts"] == {"pair": 2, "user_aggregate": 1, "neighbour": 0, "none": 1}
     assert t["coverage"]["pair"] == 0.5 and t["age_hours"]["neighbour"] is None
@@ -90,7 +90,7 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
 
 
 def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
-    from solaris_jobs import precompute as pc
+    from solaris_jobs.pipeline import precompute as pc
     ts = lambda h: (T0 + pd.Timedelta(hours=h)).to_pydatetime()
     sim = spark.createDataFrame(pd.DataFrame({"user_id": [1, 1, 2], "item_id": [10, 11, 20],
                                               "source": ["covisit", "popular", "popular"],
@@ -151,8 +151,8 @@ def _strip(obj):
 
 
 def test_replay_serves_only_what_existed_at_the_request_from_models_trained_before_t1(tiny_eval):
-    from solaris_jobs import offline as off
-    from solaris_jobs import replay
+    from solaris_jobs.core import offline as off
+    from solaris_jobs.learning import replay
     out, report = tiny_eval
     P = report["protocol"]
     t1, t2 = pd.Timestamp(P["t1"]), pd.Timestamp(P["t2"])
@@ -200,9 +200,10 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
 
 
 def test_vm_features_come_from_the_same_reader_and_clock_as_serving(tiny_eval):
-    from solaris_jobs import model_refs, replay, training
     from solaris_jobs.evaluation import variants
     from solaris_jobs.evaluation.protocol import Protocol
+    from solaris_jobs.learning import replay, training
+    from solaris_jobs.pipeline import model_refs
     out, report = tiny_eval
     P = Protocol.from_dict(report["protocol"])
     models = model_refs.resolve(out / "seed0" / "models")
@@ -228,9 +229,10 @@ def test_vm_features_come_from_the_same_reader_and_clock_as_serving(tiny_eval):
 
 
 def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, spark, tmp_path):
-    from solaris_jobs import event_source, model_refs, replay
-    from solaris_jobs import events as events_mod
+    from solaris_jobs.core import events as events_mod
     from solaris_jobs.evaluation.protocol import Protocol
+    from solaris_jobs.learning import replay
+    from solaris_jobs.pipeline import event_source, model_refs
     out, report = tiny_eval
     P = Protocol.from_dict(report["protocol"])
     models = model_refs.resolve(out / "seed0" / "models")

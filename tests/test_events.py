@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from solaris_jobs import events as ev
+from solaris_jobs.core import events as ev
 
 
 def _frame():
@@ -53,8 +53,8 @@ def test_read_events_without_log_is_a_clear_error(tmp_path):
 def test_validate_step_counts_bad_rows_and_stops_a_broken_interval(tmp_path):
     """The refresh's first task: rows that read but break the contract are counted per reason; past the allowed
     share the task fails with a message naming the interval, the counts and the setting."""
-    from solaris_jobs import orchestration as o
-    from solaris_jobs.settings import Settings
+    from solaris_jobs.core.settings import Settings
+    from solaris_jobs.flows import refresh_steps as o
     n = 20
     frame = pd.DataFrame({"user_id": [0, 0, -3] + list(range(1, n - 2)), "item_id": range(1, n + 1),
                           "event_timestamp": pd.date_range("2026-01-01T01:00", periods=n, freq="1min", tz="UTC"),

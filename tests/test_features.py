@@ -1,8 +1,8 @@
 import numpy as np
 import pandas as pd
 
-from solaris_jobs import events as ev
-from solaris_jobs.features import EventIndex, Examples, side_tables, time_split
+from solaris_jobs.core import events as ev
+from solaris_jobs.core.model_inputs import EventIndex, Examples, side_tables, time_split
 
 T0 = pd.Timestamp("2026-01-01T00:00:00Z")
 

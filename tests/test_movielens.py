@@ -2,7 +2,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from solaris_jobs import events as ev
+from solaris_jobs.core import events as ev
 from solaris_jobs.data import movielens
 
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from solaris_jobs.neighbours import knn
+from solaris_jobs.pipeline.knn import knn
 
 
 def _vectors(n, d=16, seed=0):

@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from solaris_jobs import offline as off
+from solaris_jobs.core import offline as off
 
 END = pd.Timestamp("2026-01-05T01:00:00Z")
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KILLED_WRITER = """
 import os, signal, sys
 import pandas as pd
-from solaris_jobs import offline as off
-from solaris_jobs.spark import spark_session
+from solaris_jobs.core import offline as off
+from solaris_jobs.pipeline.spark import spark_session
 spark = spark_session("killed-writer", "local[1]", {"spark.ui.enabled": "false"}, driver_memory="1g")
 df = spark.createDataFrame(pd.DataFrame({"user_id": range(100, 150), "v": 2.0}))
 off._before_publish = lambda path: os.kill(os.getpid(), signal.SIGKILL)

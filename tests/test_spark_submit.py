@@ -5,16 +5,14 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from tests.conftest import ML_END, ML_START
-from tests.outputs import assert_same_outputs
-from tests.servers import SparkConnectServer, SparkStandalone
+from tests.support import ML_END, ML_START, assert_same_outputs, SparkConnectServer, SparkStandalone
 
 
 def test_refresh_under_spark_submit_matches_in_process(ml_run, tmp_path):
     """spark_jobs/refresh.py with the README's individual flags (not --settings), on a real cluster's executor:
     the same rows as the in-process run of the same settings. The driver's environment names another master for
     in-process steps: under spark-submit, spark-submit's master is used all the same."""
-    from solaris_jobs.settings import env_var
+    from solaris_jobs.core.settings import env_var
     s, stats = ml_run
     offline = tmp_path / "offline"
     with SparkStandalone(tmp_path / "cluster") as cluster:
@@ -38,7 +36,7 @@ def test_refresh_through_spark_connect_matches_in_process(ml_run, tmp_path):
     s, stats = ml_run
     offline = tmp_path / "offline"
     with SparkConnectServer(tmp_path / "connect") as server:
-        res = subprocess.run([sys.executable, "-m", "solaris_jobs.cli", "refresh",
+        res = subprocess.run([sys.executable, "-m", "solaris_jobs.flows.cli", "refresh",
                               "--settings", replace(s, offline=str(offline)).to_json(), "--master", server.url,
                               "--start", ML_START.isoformat(), "--end", ML_END.isoformat()],
                              capture_output=True, text=True, timeout=900)

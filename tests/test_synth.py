@@ -4,7 +4,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from solaris_jobs import events as ev
+from solaris_jobs.core import events as ev
 from solaris_jobs.data import synth
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from models import load_checkpoint
-from solaris_jobs import training
+from solaris_jobs.learning import training
 
 SMALL_FM = dict(d_model=32, n_layers=1)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from solaris_jobs import events as ev
-from solaris_jobs.events import DataContractError
+from solaris_jobs.core import events as ev
+from solaris_jobs.core.events import DataContractError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class RawTables:
 
 
 def default_cache_dir() -> Path:
-    from solaris_jobs.settings import cache_dir
+    from solaris_jobs.core.settings import cache_dir
     return cache_dir()
 
 

@@ -49,7 +49,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from solaris_jobs import events as ev
+from solaris_jobs.core import events as ev
 
 logger = logging.getLogger(__name__)
 

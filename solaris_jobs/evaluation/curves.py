@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from solaris_jobs import jobs
-from solaris_jobs import offline as off
-from solaris_jobs import precompute as pc
-from solaris_jobs import replay
-from solaris_jobs.model_refs import ModelSet
-from solaris_jobs.settings import Settings
+from solaris_jobs.core import offline as off
+from solaris_jobs.core.settings import Settings
+from solaris_jobs.learning import replay
+from solaris_jobs.pipeline import jobs
+from solaris_jobs.pipeline import precompute as pc
+from solaris_jobs.pipeline.model_refs import ModelSet
 
 
 def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.ReplayPlan, events, out: Path,

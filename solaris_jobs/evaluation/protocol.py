@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from solaris_jobs.events import to_utc
+from solaris_jobs.core.events import to_utc
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
         {"fm", "ae", "vm"}: each model's metrics (its validation inside ``[t0, t1)``; the test split of these
         trainers is ``[t1, ...)`` and is reported, never used).
     """
-    from solaris_jobs import training
+    from solaris_jobs.learning import training
     out = Path(out)
     key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg)}
     stamp = out / "trained.json"

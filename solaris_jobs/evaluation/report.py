@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.vm import TIERS
+from solaris_jobs.core.contract import TIERS
 from solaris_jobs.evaluation.metrics import transfers
 
 logger = logging.getLogger(__name__)

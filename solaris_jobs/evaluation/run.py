@@ -2,7 +2,7 @@
 the settings, the seeds and the protocol's dates) and ``<out>/report.md`` with its plots.
 
 Per seed (the seed varies the FM, the autoencoder, the verifier and the VMs; the data is fixed): train the models
-on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.replay``); derive the headline budget and
+on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learning.replay``); derive the headline budget and
 cadence from it (``curves``); train the VM variants on what was served (``variants``); measure BCE, AUC and TR with
 paired-bootstrap intervals over users, overall, per tier and per segment, and coverage and cost through what
 ``FeatureReader`` served. The budget and cadence curves and the 15-minute replay run for the first seed only; the
@@ -25,11 +25,11 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from models.vm import TIERS as TIER_NAMES
+from solaris_jobs.core.contract import TIERS as TIER_NAMES
+from solaris_jobs.core.events import to_utc
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation import curves, metrics, variants
 from solaris_jobs.evaluation.protocol import ModelsConfig, Protocol, by_days, by_quantiles, train_models
-from solaris_jobs.events import to_utc
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _protocol(cfg: EvalConfig, events: pa.Table) -> Protocol:
 
 
 def _settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Path, budget: float):
-    from solaris_jobs.settings import PrecomputeConfig, Settings, SimulatorConfig
+    from solaris_jobs.core.settings import PrecomputeConfig, Settings, SimulatorConfig
     n = cfg.n_candidates
     return Settings(data=str(root), offline=str(offline), models=str(models_dir), expire_from="event",
                     spark_master=cfg.spark_master, spark_log_level="ERROR",
@@ -159,11 +159,11 @@ def _settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Path, budg
                         # Negative exclusion drops pairs the ranker would not rank again; this log's retrieval
                         # ranks them anyway, so excluding them would only cost coverage here.
                         exclusion_runs=0, aggregate_hours=cfg.aggregate_hours,
-                        simulator=SimulatorConfig(n_candidates=n, n_popular=n // 2)))
+                        simulator=SimulatorConfig().with_candidates(n)))
 
 
 def _ttls(cfg: EvalConfig) -> dict:
-    from solaris_jobs.settings import ttl_env
+    from solaris_jobs.core.settings import ttl_env
     return ttl_env({"pair_embeddings": cfg.ttl_pair, "user_aggregates": cfg.ttl_aggregate,
                     "neighbours": cfg.ttl_neighbour})
 
@@ -200,7 +200,7 @@ class SeedContext:
 
 def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget: float, warm=None,
             warm_key: str = "") -> dict:
-    from solaris_jobs import replay
+    from solaris_jobs.learning import replay
     out = ctx.out / name
     key = {"cfg": ctx.cfg.replay_key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
            "budget": budget, "root": str(ctx.root), "warm": warm_key}
@@ -251,9 +251,9 @@ def _ceiling_and_segments(ctx: SeedContext, served: pa.Table, every: pd.Timedelt
 
 
 def _coverage(served: pa.Table, mask: np.ndarray, extra: dict, protocol: Protocol, every: pd.Timedelta) -> dict:
-    """Tier shares (``replay.tier_summary``: the refresh DAG's report uses the same), ages and the ceiling of the
+    """Tier shares (``online.coverage.tier_summary``: the refresh DAG's report uses the same), ages and the ceiling of the
     rows in ``mask``, overall and per refresh interval."""
-    from solaris_jobs.replay import tier_summary
+    from solaris_jobs.online.coverage import tier_summary
     tier = served.column("tier").to_numpy()[mask]
     age_s = served.column("age_s").to_numpy(zero_copy_only=False)[mask]
     n = int(mask.sum())
@@ -288,7 +288,7 @@ def _fm_per_row(rec: dict, served: pa.Table, protocol: Protocol, derived_out: Pa
     if derived_out is None:
         pairs = sum(r["pairs_embedded"] for r in refreshes)
     else:
-        from solaris_jobs import offline as off
+        from solaris_jobs.core import offline as off
         pairs = sum((off.read_stats(str(derived_out / "offline"), "pair_embeddings", cut(r)) or {}).get(
             "pairs", 0) for r in refreshes)
     # The neighbour tier's FM user embeddings (history only, no target) are counted apart: every user with history,
@@ -301,7 +301,8 @@ def _fm_per_row(rec: dict, served: pa.Table, protocol: Protocol, derived_out: Pa
 
 def run_seed(ctx: SeedContext, share_label: str, with_curves: bool, names=None) -> dict:
     """The headline numbers of one seed (and, with ``with_curves``, the budget and cadence curves)."""
-    from solaris_jobs import model_refs, replay, training
+    from solaris_jobs.learning import replay, training
+    from solaris_jobs.pipeline import model_refs
     cfg, P = ctx.cfg, ctx.protocol
     t_seed = time.perf_counter()
     models_dir = ctx.out / "models"
@@ -353,8 +354,8 @@ def run_seed(ctx: SeedContext, share_label: str, with_curves: bool, names=None) 
 
 def _predict(model, t) -> np.ndarray:
     """A trained all-tiers VM's test probabilities on the served inputs of table ``t``."""
-    from solaris_jobs.features import Arrays
-    from solaris_jobs.training import predict
+    from solaris_jobs.core.model_inputs import Arrays
+    from solaris_jobs.learning.training import predict
     a, _ = t.inputs("solaris")
     logit = predict(model, Arrays(a, t.labels).subset(t.split == 2), batch_size=8192)["logit"]
     return 1.0 / (1.0 + np.exp(-logit.astype(np.float64)))
@@ -484,9 +485,9 @@ def _fast_cadence(ctx: SeedContext, models, base: dict, base_out: Path, plan, ta
     coverage of the test hours it covers, beside the hourly and slow cadences on the same rows, and the TR there of
     the headline's all-tiers VM (trained on the hourly features) served each cadence's features: the served-training
     day was not replayed at the fast cadence (a VM trained on it would take 4x the refreshes)."""
-    from solaris_jobs import offline as off
-    from solaris_jobs import replay
-    from solaris_jobs.materialize import materialize
+    from solaris_jobs.core import offline as off
+    from solaris_jobs.learning import replay
+    from solaris_jobs.online.materialize import materialize
     cfg, P = ctx.cfg, ctx.protocol
     switch = P.t2 - pd.Timedelta(hours=cfg.fast_hours_before)
     stop = P.t2 + pd.Timedelta(hours=cfg.fast_hours_after)
@@ -584,11 +585,11 @@ def _kd_transfers(s: dict) -> bool:
 
 def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     """Runs the evaluation into ``out`` and returns the report (also written as report.json and report.md)."""
-    from solaris_jobs import events as ev
-    from solaris_jobs import jobs
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.core.settings import Settings
     from solaris_jobs.evaluation import report as rep
-    from solaris_jobs.event_source import EventTable
-    from solaris_jobs.settings import Settings
+    from solaris_jobs.pipeline import jobs
+    from solaris_jobs.pipeline.event_source import EventTable
     out = Path(out).resolve()
     if fresh and out.exists():
         shutil.rmtree(out)

@@ -2,7 +2,7 @@
 
 Every variant trains on the same rows, ``[t0, valid_from)``, picks its epoch and grid point on
 ``[valid_from, t2)`` and is tested on ``[t2, t3)``. Rows before t1 carry what was served then: tier none, zeros,
-no soft label. The FM inputs of rows in ``[t1, t3)`` are the replay's (``solaris_jobs.replay``): what
+no soft label. The FM inputs of rows in ``[t1, t3)`` are the replay's (``solaris_jobs.learning.replay``): what
 ``FeatureReader`` returned at the row's time. Variants:
 
 =============  ===========================================================================================
@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from models.vm import TIER_NONE, TIERS
+from solaris_jobs.core.contract import TIER_NONE, TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def fm_outputs(data, fm_path, ae_path, protocol, cache: Path) -> dict:
     import torch
 
     from models import load_checkpoint
-    from solaris_jobs.training import predict
+    from solaris_jobs.learning.training import predict
     fm, fm_meta = load_checkpoint(fm_path, kind="fm")
     ae, ae_meta = load_checkpoint(ae_path, kind="ae")
     path = Path(cache) / f"fm_outputs-{fm_meta['model_version']}-{ae_meta['model_version']}.npz"
@@ -197,8 +197,8 @@ def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, bat
     import torch
 
     from models import VMConfig, VerticalModel
-    from solaris_jobs import training
-    from solaris_jobs.features import Arrays
+    from solaris_jobs.core.model_inputs import Arrays
+    from solaris_jobs.learning import training
     a, fm_dim = tab.inputs(variant)
     arr = Arrays(a, tab.labels)
     data = SimpleNamespace(train=arr.subset(tab.split == 0), valid=arr.subset(tab.split == 1))
@@ -244,8 +244,8 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
     import hashlib
 
     from models import load_checkpoint, save_checkpoint
-    from solaris_jobs.features import Arrays
-    from solaris_jobs.training import predict
+    from solaris_jobs.core.model_inputs import Arrays
+    from solaris_jobs.learning.training import predict
     names = list(names or VARIANTS)
     out: dict = {}
     tab_key = fingerprint(tab) if cache is not None else None

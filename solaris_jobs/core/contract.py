@@ -1,0 +1,25 @@
+"""What every layer must agree on, in one place without heavy imports (no torch, no pandas): the serving tiers in
+the order of the VM's one-hot input, the sizes of the history token vocabularies the model inputs produce and the
+FM embeds, and the version string of the embeddings in the store.
+"""
+from __future__ import annotations
+
+TIERS = ("pair", "user_aggregate", "neighbour", "none")      # the VM's tier one-hot, the reader's tier codes
+TIER_NONE = TIERS.index("none")
+
+N_GAP_BUCKETS = 33          # 0 = padding, 1..32 = 1 + floor(log2(1 + seconds))
+N_SIGNALS = 8               # 0 = padding, 1..5 = rating, 6 = negative, 7 = positive (no rating)
+
+
+def embedding_version(fm_version: str, ae_version: str) -> str:
+    """The version the store's rows carry and a transfer VM expects: ``<fm>+<ae>`` (an FM code is only meaningful
+    with the autoencoder that compressed it)."""
+    return f"{fm_version}+{ae_version}"
+
+
+def vm_embedding_version(vm_meta: dict) -> str | None:
+    """The embedding version a VM checkpoint was trained with, None if it takes no FM input."""
+    extra = vm_meta.get("extra", {})
+    if vm_meta["config"].get("fm_dim", 0) and extra.get("fm_version") and extra.get("ae_version"):
+        return embedding_version(extra["fm_version"], extra["ae_version"])
+    return None

@@ -1,0 +1,464 @@
+"""Every run-time setting of SOLARIS in one place: the refresh's ``Settings`` (where the data, offline store and
+models are, the Spark, store and precompute knobs), the training settings, the feature views' TTLs and the
+download cache; the ``SOLARIS_*`` environment variables they are read from, with their defaults; and the command
+line flags that override them.
+
+One object travels whole: the Airflow tasks build it from the worker's environment (``Settings.from_env``), the
+``SparkSubmitOperator`` passes it to ``spark_jobs/*.py`` as JSON (``--settings``), the CLI builds it from the
+environment, ``--settings`` and its flags, and a replay builds it in code. This module is the only one that
+names a run-time ``SOLARIS_*`` variable (the DAG files name their own scheduling settings: cron, dates, retries,
+the Spark connection, the FM queue and pool; ``DAG_ENV`` lists them for the README and the demo). It imports only
+the standard library and pydantic, so that a DAG file or a ranker can import it cheaply.
+
+Validation: unknown keys, wrong types and out-of-range values are errors that name the setting (and the
+environment variable it came from).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_STRICT = ConfigDict(extra="forbid")
+
+# ------------------------------------------------------------------------------------------------ precompute
+
+
+@dataclass(frozen=True, config=_STRICT)
+class SimulatorConfig:
+    """The request simulator's candidate-set sizes and windows (``solaris_jobs.data.requests``)."""
+    n_candidates: int = Field(200, ge=1)
+    n_popular: int = Field(100, ge=0)
+    popularity_hours: float = Field(168.0, gt=0)
+    history_items: int = Field(10, ge=1)
+    covisit_window: int = Field(3, ge=1)
+    covisit_top: int = Field(50, ge=1)
+
+    def __post_init__(self):
+        if self.n_popular > self.n_candidates:
+            raise ValueError(f"simulator: n_popular ({self.n_popular}) is more than n_candidates "
+                             f"({self.n_candidates})")
+
+    def with_candidates(self, n: int) -> "SimulatorConfig":
+        """``n`` candidates per user, half of them popular (what ``--candidates N`` means everywhere)."""
+        return replace(self, n_candidates=n, n_popular=n // 2)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class PrecomputeConfig:
+    """Settings of one refresh (``SOLARIS_PRECOMPUTE`` JSON and the job flags map onto these fields).
+
+    Attributes:
+        simulator: candidate-set sizes and windows of the request simulator.
+        active_hours: users with an event in ``[T - active_hours, T)`` are expected to be served soon.
+        lookback_days: history, counters and co-visitation read events in ``[T - lookback_days, T)``
+            (None: the whole log before T).
+        select_share: share of scored pairs sent to the FM (without ``budget_per_row``).
+        select_scope: ``user`` (top share of each user's candidates, at least one) or ``global`` (top share of
+            all pairs by verifier score).
+        recent_hours: pairs ranked for a user in ``[T - recent_hours, T)`` join the candidate pool (a user's
+            rankings stay stable over short periods); 0: off.
+        budget_per_row: one FM budget for the whole pool, misses included: ``ceil(budget_per_row x`` the rows the
+            log served per interval over the last ``budget_window_hours``) pairs, the top of one global ranking
+            (``select_priority``). None: the per-share selection above, misses forced in on top.
+        select_priority: the global ranking under a budget: ``verifier`` (the VM's score) or ``recency`` (the
+            time the pair was last ranked or missed, most recent first, then the verifier's score; pairs never
+            ranked come last).
+        exclusion_runs: K; a pair in the bottom ``exclusion_share`` of its user's candidates in each of the last
+            K runs is skipped before scoring (0 disables).
+        miss_hours: serving misses recorded in ``[T - miss_hours, T)`` are forced into the selection.
+        history_len: FM history length L; None: the FM's own (a different value is an error).
+        batch_size: rows per model batch on executors.
+        device: torch device for the models (``auto``: CUDA when present).
+        aggregate_hours: window of the user aggregate.
+        knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search.
+        torch_threads: torch threads per Spark task.
+    """
+    simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
+    active_hours: float = Field(24.0, gt=0)
+    lookback_days: float | None = Field(30.0, gt=0)
+    select_share: float = Field(0.2, gt=0, le=1)
+    select_scope: Literal["user", "global"] = "user"
+    recent_hours: float = Field(0.0, ge=0)
+    budget_per_row: float | None = Field(None, gt=0)
+    budget_window_hours: float = Field(24.0, gt=0)
+    select_priority: Literal["verifier", "recency"] = "verifier"
+    exclusion_runs: int = Field(3, ge=0)
+    exclusion_share: float = Field(0.5, ge=0, le=1)
+    miss_hours: float = Field(24.0, ge=0)
+    history_len: int | None = Field(None, ge=1)
+    batch_size: int = Field(1024, ge=1)
+    device: str = "auto"
+    aggregate_hours: float = Field(24.0, gt=0)
+    knn_k: int = Field(10, ge=1)
+    knn_exact_max: int = Field(100_000, ge=0)
+    torch_threads: int = Field(1, ge=1)
+
+
+# ------------------------------------------------------------------------------------------------ refresh
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Settings:
+    """Everything a refresh step needs besides its interval (and, for replays, an injected clock, event source
+    and models; see ``solaris_jobs.pipeline.jobs``).
+
+    Attributes:
+        data: data root with the event log (``<data>/events/date=.../hour=.../*.parquet``).
+        offline: offline store root (any URI the jobs take: a path, ``file://``, ``s3a://``, ``hdfs://``).
+        models: folder with fm.pt, ae.pt, vm.pt (e.g. ``<registry>/current``); resolved once per run.
+        feature_repo: the Feast repo whose ``feature_store.yaml`` names the online store (None: this project's
+            ``feature_repo/``; Feast's own ``FEAST_FS_YAML_FILE_PATH`` picks another yaml).
+        expire_from: ``event``: online keys expire at event time + view TTL; ``write``: at write time + TTL.
+        max_bad_share: share of an interval's events that may break the contract before ``validate`` fails it.
+        precompute: the refresh's knobs.
+        spark_master: Spark master for in-process steps (None: spark-submit's, else ``local[*]``;
+            ``sc://host:port`` for Spark Connect).
+        spark_driver_memory: driver heap of a local Spark (also the executors' in local mode).
+        spark_log_level: Spark's log level.
+        log_level: SOLARIS's log level in job processes (spark-submit drivers).
+    """
+    data: str = ""
+    offline: str = ""
+    models: str = ""
+    feature_repo: str | None = None
+    expire_from: Literal["event", "write"] = "event"
+    max_bad_share: float = Field(0.05, ge=0, le=1)
+    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
+    spark_master: str | None = None
+    spark_driver_memory: str = "4g"
+    spark_log_level: str = "WARN"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("log_level", "spark_log_level", mode="before")
+    @classmethod
+    def _upper(cls, v):
+        return v.upper() if isinstance(v, str) else v
+
+    @field_validator("data", "offline", "models")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        """Local paths made absolute once, here: Spark, pyarrow and a spark-submit driver elsewhere then agree."""
+        return os.path.abspath(v) if v and "://" not in v and not v.startswith("file:") else v
+
+    @classmethod
+    def from_env(cls, env=None, require: bool = True, **overrides) -> "Settings":
+        """Settings from ``SOLARIS_*`` variables (``ENV``), then ``overrides`` (field names; ``precompute`` may be
+        a dict of its fields).
+
+        Raises:
+            ValueError: a variable does not parse or validate (named), or, with ``require``, the data, offline or
+                models location is not set.
+        """
+        env = os.environ if env is None else env
+        raw: dict[str, Any] = {}
+        for var, name in ENV.items():
+            value = env.get(var)
+            if value is None or value == "":
+                continue
+            if name == "precompute":
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{var} is not JSON: {e}") from e
+            raw[name] = value
+        base = _validate(raw, {name: var for var, name in ENV.items()})
+        s = base.override(**overrides) if overrides else base
+        if require:
+            s.require()
+        return s
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        """The whole object from ``to_json()`` output (what ``--settings`` carries)."""
+        try:
+            return _ADAPTER.validate_json(text)
+        except ValidationError as e:
+            raise ValueError(f"--settings: {_explain(e)}") from e
+
+    def to_json(self) -> str:
+        return _ADAPTER.dump_json(self).decode()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``SOLARIS_*`` variables that ``from_env`` turns back into these settings (unset ones omitted)."""
+        out = {}
+        for var, name in ENV.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            out[var] = json.dumps(asdict(value)) if name == "precompute" else str(value)
+        return out
+
+    def override(self, **changes) -> "Settings":
+        """A copy with fields replaced; ``precompute`` may be a dict of changes to the current precompute (and its
+        ``simulator`` a dict of changes too). Validated."""
+        changes = dict(changes)
+        pc = changes.get("precompute")
+        if isinstance(pc, dict):
+            pc = dict(pc)
+            sim = pc.get("simulator")
+            if isinstance(sim, dict):
+                pc["simulator"] = asdict(self.precompute.simulator) | sim
+            changes["precompute"] = asdict(self.precompute) | pc
+        return _validate(asdict(self) | changes, {})
+
+    def require(self) -> "Settings":
+        missing = [f"{_VAR[n]} (--{n})" for n in ("data", "offline", "models") if not getattr(self, n)]
+        if missing:
+            raise ValueError(f"set {', '.join(missing)}: where the event log, the offline store and the models are")
+        return self
+
+    def for_spark_submit(self) -> "Settings":
+        """What a spark-submit driver gets: the master is spark-submit's own (``--master`` / the connection)."""
+        return replace(self, spark_master=None)
+
+
+ENV = {  # variable -> Settings field
+    "SOLARIS_DATA": "data",
+    "SOLARIS_OFFLINE": "offline",
+    "SOLARIS_MODELS": "models",
+    "SOLARIS_FEATURE_REPO": "feature_repo",
+    "SOLARIS_EXPIRE_FROM": "expire_from",
+    "SOLARIS_MAX_BAD_SHARE": "max_bad_share",
+    "SOLARIS_PRECOMPUTE": "precompute",
+    "SOLARIS_SPARK_MASTER": "spark_master",
+    "SOLARIS_SPARK_DRIVER_MEMORY": "spark_driver_memory",
+    "SOLARIS_SPARK_LOG_LEVEL": "spark_log_level",
+    "SOLARIS_LOG_LEVEL": "log_level",
+}
+_VAR = {name: var for var, name in ENV.items()}
+_ADAPTER = TypeAdapter(Settings)
+
+
+def _explain(e: ValidationError, names: dict | None = None) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        var = (names or {}).get(str(err["loc"][0])) if err["loc"] else None
+        where = f"{var} ({loc})" if var else loc
+        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+def _validate(raw: dict, names: dict) -> Settings:
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as e:
+        raise ValueError(f"settings: {_explain(e, names)}") from e
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+@dataclass(frozen=True)
+class Flag:
+    """A command-line flag of the job commands (``solaris select|...|refresh|backfill`` and ``spark_jobs/*.py``):
+    ``field`` is a Settings field or ``precompute.<field>``; ``candidates`` sets the simulator's size."""
+    flag: str
+    field: str
+    help: str
+    type: str = "str"                       # str | int | float | choice
+    choices: tuple[str, ...] = ()
+
+
+FLAGS = (
+    Flag("--data", "data", "Data root with the event log."),
+    Flag("--offline", "offline", "Offline store root (outputs keyed by interval end; any URI the jobs take)."),
+    Flag("--models", "models", "Folder with fm.pt, ae.pt, vm.pt (resolved once per run)."),
+    Flag("--feature-repo", "feature_repo", "Feast repo (its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH, "
+                                           "names the online store)."),
+    Flag("--expire-from", "expire_from", "event: online keys expire at event time + view TTL; write: at write "
+                                         "time + TTL (replays of old data).", "choice", ("event", "write")),
+    Flag("--master", "spark_master", "Spark master (default: spark-submit's, or local[*]; sc://host:port for "
+                                     "Spark Connect)."),
+    Flag("--select-share", "precompute.select_share", "Share of scored pairs sent to the FM.", "float"),
+    Flag("--select-scope", "precompute.select_scope", "user: top share of each user's candidates; global: top "
+                                                      "share of all pairs.", "choice", ("user", "global")),
+    Flag("--recent-hours", "precompute.recent_hours", "Pairs ranked for the user in the last this many hours join "
+                                                      "the candidate pool (0: off).", "float"),
+    Flag("--budget-per-row", "precompute.budget_per_row", "One FM budget for the pool, misses included: this many "
+                                                          "FM inferences per row the log served per interval "
+                                                          "(default: the per-share selection).", "float"),
+    Flag("--select-priority", "precompute.select_priority", "The global ranking under a budget: verifier score, "
+                                                            "or recency of the pair's last ranking then verifier.",
+         "choice", ("verifier", "recency")),
+    Flag("--exclusion-runs", "precompute.exclusion_runs", "K: skip pairs in their user's bottom share in each of "
+                                                          "the last K runs (0: off).", "int"),
+    Flag("--exclusion-share", "precompute.exclusion_share", "The bottom share for negative exclusion.", "float"),
+    Flag("--active-hours", "precompute.active_hours", "Users with an event in the last this many hours before T "
+                                                      "are expected soon.", "float"),
+    Flag("--lookback-days", "precompute.lookback_days", "History, counters and co-visitation read this many days "
+                                                        "before T (0: all).", "float"),
+    Flag("--candidates", "precompute.simulator.n_candidates", "Request-simulator candidates per user (half of "
+                                                              "them popular).", "int"),
+    Flag("--batch-size", "precompute.batch_size", "Rows per model batch on executors.", "int"),
+    Flag("--history-len", "precompute.history_len", "FM history length (default: the FM's; must match it).",
+         "int"),
+    Flag("--knn-k", "precompute.knn_k", "Neighbours per user.", "int"),
+    Flag("--knn-exact-max", "precompute.knn_exact_max", "Exact FAISS search up to this many users, HNSW above "
+                                                        "(recall measured and logged).", "int"),
+    Flag("--aggregate-hours", "precompute.aggregate_hours", "Window of the user aggregate.", "float"),
+    Flag("--miss-hours", "precompute.miss_hours", "Serving misses recorded this many hours before T are forced "
+                                                  "into the selection.", "float"),
+    Flag("--device", "precompute.device", "Torch device for the models (auto: CUDA when present).", "str"),
+)
+
+
+def default_of(field: str):
+    """The default value of a Settings field path (``precompute.select_share``), for help texts."""
+    obj: Any = Settings()
+    for part in field.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def apply_flags(s: Settings, values: dict[str, Any]) -> Settings:
+    """``s`` with the given flag values (keyed by ``Flag.field``; None = not given) applied."""
+    top: dict[str, Any] = {}
+    pc: dict[str, Any] = {}
+    for field, value in values.items():
+        if value is None:
+            continue
+        if field == "precompute.simulator.n_candidates":
+            pc["simulator"] = asdict(s.precompute.simulator.with_candidates(int(value)))
+        elif field == "precompute.lookback_days":
+            pc["lookback_days"] = value or None          # 0: the whole log
+        elif field.startswith("precompute."):
+            pc[field.split(".", 1)[1]] = value
+        else:
+            top[field] = value
+    if pc:
+        top["precompute"] = pc
+    return s.override(**top) if top else s
+
+
+def env_var(field: str) -> str:
+    """The variable a Settings field is read from (for help texts: ``$SOLARIS_DATA``)."""
+    return _VAR[field]
+
+
+def env_log_level(env=None) -> str:
+    """SOLARIS's log level from the environment alone (for a process before its settings are built)."""
+    env = os.environ if env is None else env
+    return (env.get("SOLARIS_LOG_LEVEL") or Settings().log_level).upper()
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+TRAIN_DEFAULTS = {"epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2,
+                  "d_interaction": 128, "d_code": 32, "max_train_rows": None, "seed": 0,
+                  # The ranker's VM trains on what the store would serve the new models: a replay of the log's
+                  # last served_hours, refreshed every served_every (solaris_jobs.learning.replay).
+                  "served_hours": 24, "served_every": "1h"}
+
+
+def train_settings(env=None) -> dict:
+    """``SOLARIS_TRAIN`` (JSON) over ``TRAIN_DEFAULTS``; unknown keys are an error."""
+    env = os.environ if env is None else env
+    raw = env.get("SOLARIS_TRAIN")
+    try:
+        o = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"SOLARIS_TRAIN is not JSON: {e}") from e
+    unknown = set(o) - set(TRAIN_DEFAULTS)
+    if unknown:
+        raise ValueError(f"SOLARIS_TRAIN: unknown settings {sorted(unknown)}; known: {sorted(TRAIN_DEFAULTS)}")
+    return {**TRAIN_DEFAULTS, **o}
+
+
+def model_registry(env=None) -> Path:
+    """``SOLARIS_MODEL_REGISTRY``: the folder holding ``versions/`` and the ``current`` link."""
+    env = os.environ if env is None else env
+    root = env.get("SOLARIS_MODEL_REGISTRY")
+    if not root:
+        raise ValueError("set SOLARIS_MODEL_REGISTRY (the folder holding versions/ and the current link)")
+    return Path(root)
+
+
+# ------------------------------------------------------------------------------------------------ store, cache
+
+VIEW_TTLS = {"pair_embeddings": "4h", "user_aggregates": "24h", "neighbours": "24h"}
+
+
+def view_ttl(view: str, env=None) -> tuple[str, str]:
+    """(variable, raw duration) of a feature view's TTL: ``SOLARIS_TTL_<VIEW>`` or its default."""
+    env = os.environ if env is None else env
+    var = f"SOLARIS_TTL_{view.upper()}"
+    return var, env.get(var) or VIEW_TTLS[view]
+
+
+def ttl_env(ttls: dict[str, str]) -> dict[str, str]:
+    """The environment that sets these views' TTLs: ``{"pair_embeddings": "24h"}`` -> its variable and value."""
+    unknown = set(ttls) - set(VIEW_TTLS)
+    if unknown:
+        raise ValueError(f"no feature view named {sorted(unknown)}; the views are {sorted(VIEW_TTLS)}")
+    return {view_ttl(v, {})[0]: str(d) for v, d in ttls.items()}
+
+
+def feature_repo(explicit=None, env=None) -> Path:
+    """The Feast repo: ``explicit``, else ``SOLARIS_FEATURE_REPO``, else this project's ``feature_repo/``."""
+    env = os.environ if env is None else env
+    return Path(explicit or env.get("SOLARIS_FEATURE_REPO") or PROJECT_ROOT / "feature_repo").resolve()
+
+
+def feast_offline_root(env=None) -> str:
+    """Where the Feast repo's file sources point: ``SOLARIS_OFFLINE``, else the demo's offline store (so that
+    ``feast apply`` works before anything is configured)."""
+    env = os.environ if env is None else env
+    return env.get("SOLARIS_OFFLINE") or str(PROJECT_ROOT / "artifacts" / "demo" / "offline")
+
+
+def cache_dir(env=None) -> Path:
+    """Download cache (MovieLens): ``SOLARIS_CACHE``, else ``~/.cache/solaris``."""
+    env = os.environ if env is None else env
+    return Path(env.get("SOLARIS_CACHE") or Path.home() / ".cache" / "solaris")
+
+
+# ------------------------------------------------------------------------------------------------ the DAGs'
+
+# Read by the DAG files themselves at parse time (scheduling and task placement); listed here for the README and
+# for the demo, which sets some of them (``dag_env``).
+DAG_ENV = {          # their defaults are in the DAG files (and the README)
+    "SOLARIS_REFRESH_CRON": "refresh schedule",
+    "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
+    "SOLARIS_START_DATE": "first interval",
+    "SOLARIS_END_DATE": "last interval end",
+    "SOLARIS_CATCHUP": "run missed intervals on start",
+    "SOLARIS_RETRIES": "task retries",
+    "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off",
+    "SOLARIS_SPARK_CONN_ID": "when set, the four Spark steps become SparkSubmitOperators on that connection",
+    "SOLARIS_FM_QUEUE": "Celery queue of the FM task (GPU workers)",
+    "SOLARIS_FM_POOL": "pool of the FM task",
+}
+
+# Named by other tools: Feast's yaml files expand it, so it is not read here.
+OTHER_ENV = {"SOLARIS_REDIS": "Redis connection string expanded in feature_store.redis*.yaml"}
+
+
+def dag_env(start_date=None, end_date=None, retries=None) -> dict[str, str]:
+    """DAG scheduling variables for a local run (the demo): the first and last interval, retries."""
+    out = {}
+    for var, value in (("SOLARIS_START_DATE", start_date), ("SOLARIS_END_DATE", end_date),
+                       ("SOLARIS_RETRIES", retries)):
+        if value is not None:
+            out[var] = value.isoformat() if hasattr(value, "isoformat") else str(value)
+    return out
+
+
+def all_env_names() -> set[str]:
+    """Every SOLARIS_* variable a deployment may set."""
+    return (set(ENV) | {view_ttl(v)[0] for v in VIEW_TTLS} | {"SOLARIS_TRAIN", "SOLARIS_MODEL_REGISTRY",
+                                                              "SOLARIS_CACHE"} | set(DAG_ENV) | set(OTHER_ENV))
+
+
+__all__ = ["Settings", "PrecomputeConfig", "SimulatorConfig", "ENV", "DAG_ENV", "FLAGS", "Flag", "apply_flags",
+           "default_of", "env_var", "train_settings", "model_registry", "view_ttl", "feature_repo",
+           "feast_offline_root", "cache_dir", "dag_env", "all_env_names", "TRAIN_DEFAULTS"]

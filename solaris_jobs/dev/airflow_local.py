@@ -1,0 +1,194 @@
+"""Airflow for real on one machine: API server (with the UI), scheduler, DAG processor and triggerer as separate
+processes, LocalExecutor, SQLite metadata DB under ``home``, bound to 127.0.0.1. Used by ``solaris airflow``
+(``make airflow``) and by the test that triggers the refresh DAG through the REST API.
+
+Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor); this is the
+project's DAGs under the real services, for trying them out and for tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from solaris_jobs.dev.ports import free_port
+
+DAGS = Path(__file__).resolve().parent.parent / "dags"
+# sqlite3's connect arguments for the metadata DB (AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS names this): wait
+# up to 30 s for another process's write lock instead of the default 5 s, so that the CLI (`airflow backfill
+# create`) and the API server do not fail with "database is locked" while the scheduler writes.
+SQLITE_CONNECT_ARGS = {"timeout": 30}
+
+
+class LocalAirflow:
+    def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
+                 user: str = "admin", password: str | None = None, parallelism: int = 4):
+        self.home = Path(home).resolve()
+        self.port = port or free_port()
+        self.user, self.password = user, password or secrets.token_urlsafe(12)
+        self.extra_env = dict(env or {})
+        self.parallelism = parallelism
+        self.procs: list[subprocess.Popen] = []
+        self._token = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict:
+        bin_dir = str(Path(sys.executable).parent)
+        return {**os.environ, **self.extra_env,
+                "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+                "AIRFLOW_HOME": str(self.home),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
+                "AIRFLOW__API__HOST": "127.0.0.1",
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__API__BASE_URL": self.url,
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+                "AIRFLOW__API_AUTH__JWT_SECRET": self._secret(),
+                "AIRFLOW__CORE__AUTH_MANAGER":
+                    "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{self.user}:admin",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+                "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs")}
+
+    def _secret(self) -> str:
+        path = self.home / "jwt_secret"
+        if not path.exists():
+            self.home.mkdir(parents=True, exist_ok=True)
+            path.write_text(secrets.token_urlsafe(32))
+        return path.read_text()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.home / f"{name}.log", "w")
+        p = subprocess.Popen([str(Path(sys.executable).parent / "airflow"), *args], stdout=log,
+                             stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self, timeout: float = 120) -> "LocalAirflow":
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "passwords.json").write_text(json.dumps({self.user: self.password}))
+        res = self.cli("db", "migrate", timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
+        self._spawn("scheduler", ["scheduler", "--skip-serve-logs"])
+        self._spawn("dag-processor", ["dag-processor"])
+        self._spawn("triggerer", ["triggerer", "--skip-serve-logs"])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"an Airflow service exited ({p.args}); logs in {self.home}")
+            try:
+                health = self._request("GET", "/api/v2/monitor/health", auth=False)
+                if health.get("scheduler", {}).get("status") == "healthy":
+                    return self
+            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"Airflow did not become healthy within {timeout:.0f}s; logs in {self.home}")
+
+    def _request(self, method: str, path: str, body=None, auth: bool = True) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if auth:
+            headers["Authorization"] = f"Bearer {self.token()}"
+        req = urllib.request.Request(self.url + path, method=method, headers=headers,
+                                     data=json.dumps(body).encode() if body is not None else None)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        return json.loads(text) if text else {}
+
+    def token(self) -> str:
+        if self._token is None:
+            self._token = self._request("POST", "/auth/token", {"username": self.user, "password": self.password},
+                                        auth=False)["access_token"]
+        return self._token
+
+    def api(self, method: str, path: str, body=None) -> dict:
+        return self._request(method, path, body)
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return self.api("GET", f"/api/v2/dags/{dag_id}")
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    raise
+            time.sleep(2)
+        raise RuntimeError(f"DAG {dag_id} was not parsed within {timeout:.0f}s; see {self.home}/dag-processor.log")
+
+    def trigger(self, dag_id: str, logical_date: str, data_interval_end: str | None = None) -> str:
+        """Unpauses the DAG and creates a run for ``logical_date``; returns the run id."""
+        self.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
+        body = {"logical_date": logical_date}
+        if data_interval_end:
+            body.update(data_interval_start=logical_date, data_interval_end=data_interval_end)
+        return self.api("POST", f"/api/v2/dags/{dag_id}/dagRuns", body)["dag_run_id"]
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float = 900) -> str:
+        deadline = time.monotonic() + timeout
+        state = None
+        while time.monotonic() < deadline:
+            state = self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}")["state"]
+            if state in ("success", "failed"):
+                return state
+            time.sleep(3)
+        raise TimeoutError(f"run {run_id} of {dag_id} still {state} after {timeout:.0f}s")
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``airflow <args>`` against this installation (e.g. ``backfill create --dag-id ...``)."""
+        return subprocess.run([str(Path(sys.executable).parent / "airflow"), *args], env=self.env(),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def runs(self, dag_id: str, run_type: str | None = None) -> list[dict]:
+        q = f"?run_type={run_type}" if run_type else ""
+        return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns{q}")["dag_runs"]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict:
+        tis = self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+        return {t["task_id"]: t["state"] for t in tis}
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL of each service's process group (a running task ignores SIGTERM)."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+        self.procs.clear()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,484 @@
+"""The ``solaris`` command line. Each command calls the same library functions the Airflow DAGs call."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _env_log_level() -> str:
+    from solaris_jobs.core.settings import env_log_level
+    return env_log_level()
+
+
+def _echo_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+class _Group(click.Group):
+    """Turns input errors (bad data, bad arguments) into one clear line and exit code 1, not a traceback."""
+
+    def invoke(self, ctx):
+        from solaris_jobs.core.events import DataContractError
+        try:
+            return super().invoke(ctx)
+        except (DataContractError, ValueError, FileNotFoundError) as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--log-level", default=lambda: _env_log_level(), show_default="INFO",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def main(log_level: str) -> None:
+    """SOLARIS: precompute foundation-model embeddings for a fast ranker, ahead of the requests.
+
+    Data sets are folders in the event-log contract (see README): events/date=.../hour=.../*.parquet,
+    users.parquet, items.parquet, rejects/, manifest.json.
+    """
+    _setup_logging(log_level)
+
+
+@main.group()
+def data() -> None:
+    """Create data sets in the event-log contract."""
+
+
+@data.command("movielens")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Data root to write.")
+@click.option("--source", type=click.Path(exists=True), default=None,
+              help="A GroupLens ml-100k folder (u.data, u.user, u.item) or a recbole wheel; default: the "
+                   "recbole==1.2.1 wheel from PyPI, downloaded once into the cache.")
+@click.option("--cache", type=click.Path(file_okay=False), default=None,
+              help="Download cache (default: the environment's, see the README, or ~/.cache/solaris).")
+def data_movielens(out, source, cache) -> None:
+    """MovieLens-100K as events (label = rating >= 4), users and items; bad rows set aside with a reason."""
+    from solaris_jobs.data import movielens
+    _echo_json(movielens.build(out, source, cache))
+
+
+@data.command("synth")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Data root to write.")
+@click.option("--users", default=10_000, help="Number of users.")
+@click.option("--items", default=5_000, help="Number of items.")
+@click.option("--days", default=7.0, help="Days of traffic.")
+@click.option("--seed", default=0, help="Random seed: same seed and parameters, same bytes.")
+@click.option("--start", default="2026-01-05T00:00:00Z", help="UTC start of the traffic.")
+@click.option("--chunk-users", default=50_000, help="Users simulated per chunk (bounds memory).")
+@click.option("--session-rate", default=1.2, help="Median sessions per user per day (log-normal).")
+@click.option("--pool-size", default=40, help="Items in each user's slowly changing candidate pool.")
+@click.option("--pool-half-life-days", default=2.0, help="Half-life of a pool slot.")
+@click.option("--positive-rate", default=0.05, help="Share of positive labels (the label's bias is solved for it).")
+@click.option("--sequence-share", default=0.5,
+              help="Share of the label's signal variance that only a model of the user's history can see (0-1).")
+def data_synth(out, users, items, days, seed, start, chunk_users, session_rate, pool_size, pool_half_life_days,
+               positive_rate, sequence_share):
+    """Ad-like synthetic traffic: returning users, recurring pairs, Zipf items, non-linear click labels."""
+    from solaris_jobs.data import synth
+    cfg = synth.SynthConfig(users=users, items=items, days=days, seed=seed, start=start, chunk_users=chunk_users,
+                            session_rate=session_rate, pool_size=pool_size, pool_half_life_days=pool_half_life_days,
+                            positive_rate=positive_rate, sequence_share=sequence_share)
+    _echo_json(synth.generate(cfg, out, progress=sys.stderr.isatty()))
+
+
+@data.command("candidates")
+@click.option("--data", "root", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--at", "cutoff", required=True, help="Request time T (UTC); only the log before T is used.")
+@click.option("--user", "users", multiple=True, type=int, required=True, help="User id (repeatable).")
+@click.option("--n", "n_candidates", default=200, help="Candidates per request.")
+def data_candidates(root, cutoff, users, n_candidates) -> None:
+    """Show the request simulator's candidate sets for users at time T (CSV on stdout)."""
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.data.requests import RequestSimulator, SimulatorConfig
+    sim = RequestSimulator(ev.read_events(root, end=cutoff), cutoff, SimulatorConfig().with_candidates(n_candidates))
+    click.echo(sim.candidates(list(users)).to_csv(index=False), nl=False)
+
+
+def _train_options(f):
+    for opt in reversed([
+        click.option("--data", "root", required=True, type=click.Path(exists=True, file_okay=False),
+                     help="Data root (event-log contract)."),
+        click.option("--out", required=True, type=click.Path(dir_okay=False), help="Checkpoint to write."),
+        click.option("--epochs", default=3, help="Maximum epochs (early stopping on valid BCE)."),
+        click.option("--batch-size", default=256),
+        click.option("--lr", default=2e-3),
+        click.option("--seed", default=0),
+        click.option("--history-len", default=50, help="History length L."),
+        click.option("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
+        click.option("--max-train-rows", default=None, type=int,
+                     help="Subsample large logs: N training rows, N/4 valid and N/4 test rows."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows):
+    from solaris_jobs.learning.training import TrainConfig
+    return TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, history_len=history_len,
+                       device=device, max_train_rows=max_train_rows)
+
+
+def _summary(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k != "history"}
+
+
+@main.group()
+def train() -> None:
+    """Train the FM, the autoencoder and the VM on a time split (train < 80% < valid < 90% < test)."""
+
+
+@train.command("fm")
+@_train_options
+@click.option("--d-model", default=64)
+@click.option("--layers", default=2)
+@click.option("--d-interaction", default=128, help="Width of the interaction embedding h(u, i).")
+def train_fm(root, out, epochs, batch_size, lr, seed, history_len, device, max_train_rows, d_model, layers,
+             d_interaction):
+    """Train the foundation model (sequence model with target attention, label and rating heads)."""
+    from solaris_jobs.learning import training
+    cfg = _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows)
+    data = training.load_dataset(root, history_len, max_train_rows=max_train_rows, seed=seed)
+    _echo_json(_summary(training.train_fm(data, out, cfg, d_model=d_model, n_layers=layers,
+                                          d_interaction=d_interaction)))
+
+
+@train.command("ae")
+@_train_options
+@click.option("--fm", "fm_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--d-code", default=32, help="Code width D (what the VM and the feature store take).")
+def train_ae(root, out, epochs, batch_size, lr, seed, history_len, device, max_train_rows, fm_path, d_code):
+    """Train the autoencoder on the FM's interaction embeddings; report reconstruction error."""
+    from solaris_jobs.learning import training
+    cfg = _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows)
+    data = training.load_dataset(root, history_len, max_train_rows=max_train_rows, seed=seed)
+    _echo_json(_summary(training.train_ae(data, fm_path, out, cfg, d_code=d_code)))
+
+
+@train.command("vm")
+@_train_options
+@click.option("--mode", type=click.Choice(["plain", "kd", "transfer"]), default="plain",
+              help="plain: no FM; kd: FM soft labels; transfer: FM embedding (through the AE) as an input.")
+@click.option("--fm", "fm_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--ae", "ae_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--coverage", default=1.0, help="transfer: share of rows that get an embedding (others zeros).")
+@click.option("--kd-weight", default=0.5, help="kd: weight of the FM soft label in the loss.")
+def train_vm(root, out, epochs, batch_size, lr, seed, history_len, device, max_train_rows, mode, fm_path, ae_path,
+             coverage, kd_weight):
+    """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding."""
+    from solaris_jobs.learning import training
+    cfg = _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows)
+    data = training.load_dataset(root, history_len, max_train_rows=max_train_rows, seed=seed)
+    _echo_json(_summary(training.train_vm(data, out, cfg, mode=mode, fm_path=fm_path, ae_path=ae_path,
+                                          coverage=coverage, kd_weight=kd_weight)))
+
+
+@main.command("demo")
+@click.option("--workdir", default="artifacts/demo", type=click.Path(file_okay=False),
+              help="Where data, checkpoints, the offline store, the Airflow home and the report go.")
+@click.option("--seeds", default="0", help="Comma-separated seeds; metrics are averaged over them.")
+@click.option("--fm-epochs", default=3)
+@click.option("--intervals", default=3, help="Hourly intervals to run the refresh DAG over (0: none).")
+@click.option("--last-end", default="1998-03-01T00:00:00Z", help="End of the last refreshed interval.")
+@click.option("--master", default="local[2]", help="Spark master for the refresh.")
+@click.option("--evaluate/--no-evaluate", default=True, help="End with the quick replay evaluation "
+                                                             "(solaris evaluate --quick).")
+@click.option("--reports", default="reports/quick", type=click.Path(file_okay=False),
+              help="Where the quick evaluation's report goes.")
+def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, reports) -> None:
+    """The main job on MovieLens-100K: data, FM, AE, VM / VM+KD / VM+FM embedding and their comparison table,
+    then the Airflow refresh DAG (dag.test()) over a few hourly intervals into the embedded SQLite online store,
+    the coverage table, one feature read through the Feast SDK and one through the tiered serving client; then the
+    quick replay evaluation on synthetic ad-like traffic (``solaris evaluate --quick``) under ``reports/quick``."""
+    from solaris_jobs.learning.experiment import run_movielens
+    workdir = Path(workdir).resolve()
+    seed_list = [int(s) for s in seeds.split(",")]
+    report = run_movielens(workdir, seed_list, fm_epochs=fm_epochs)
+    click.echo(report["table"])
+    if intervals > 0:
+        from solaris_jobs.flows.demo import run_refresh_demo
+        run_refresh_demo(workdir, workdir / "models" / f"seed{seed_list[0]}", intervals, last_end, master,
+                         echo=click.echo)
+    if evaluate:
+        from dataclasses import replace
+
+        from solaris_jobs.evaluation import run as ev
+        click.echo(f"\nquick replay evaluation (synthetic ad-like traffic; solaris evaluate --quick) -> {reports}")
+        report = ev.evaluate(replace(ev.quick_config(), spark_master=master), Path(reports))
+        click.echo(ev.headline_table(report))
+
+
+@main.command("evaluate")
+@click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
+              "data, checkpoints, replays and FM outputs are cached under it.")
+@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0).")
+@click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 3 days, one seed, "
+                                            "small models, no sweep (too small for the targets).")
+@click.option("--users", default=None, type=int, help="Synthetic users (default 5000; --quick 1000).")
+@click.option("--sequence-shares", default=None,
+              help="The sweep, comma-separated (default 0,0.25,0.5,0.75; 'none' to skip).")
+@click.option("--no-curves", is_flag=True, help="Skip the budget and cadence curves.")
+@click.option("--fast-cadence", default=None, help="The fast-cadence replay of the curves (default 15min on synth; "
+                                                  "'none' to skip: it costs about as much as the headline replay).")
+@click.option("--master", default="local[2]", help="Spark master for the replay.")
+@click.option("--fresh", is_flag=True, help="Delete --out first (otherwise unchanged steps are reused).")
+def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, fast_cadence, master,
+                 fresh) -> None:
+    """The replay evaluation: models trained before t1, the refresh and the serving client walked over [t1, t3) as
+    production runs them, the ranker's VM trained on what was served; TR vs KD, coverage by tier and FM compute per
+    served row, with paired-bootstrap intervals. Writes report.json and report.md (with plots)."""
+    from dataclasses import replace
+
+    from solaris_jobs.evaluation import run as ev
+    if dataset == "movielens":
+        cfg = ev.movielens_config()
+        if quick:
+            cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
+    else:
+        cfg = ev.quick_config() if quick else ev.EvalConfig()
+    kw = {"spark_master": master}
+    if seeds:
+        kw["seeds"] = tuple(int(x) for x in seeds.split(","))
+    if users:
+        kw["synth"] = replace(cfg.synth, users=users)
+    if sequence_shares:
+        kw["sequence_shares"] = () if sequence_shares == "none" else tuple(float(x) for x in sequence_shares.split(","))
+    if no_curves:
+        kw["curves"] = False
+    if fast_cadence:
+        if fast_cadence != "none":
+            import pandas as pd
+            try:
+                pd.Timedelta(fast_cadence)
+            except ValueError as e:
+                raise click.BadParameter(f"not a duration: {fast_cadence!r} ({e})", param_hint="--fast-cadence")
+        kw["fast_cadence"] = None if fast_cadence == "none" else fast_cadence
+    report = ev.evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
+    click.echo(ev.headline_table(report))
+    click.echo(f"report: {Path(out) / 'report.md'} (and report.json)")
+
+
+def _settings_options(f):
+    """The Settings flags (``settings.FLAGS``) plus ``--settings``: every command that runs refresh steps takes the
+    same ones, with the same meaning, in the CLI and in ``spark_jobs/*.py`` under spark-submit."""
+    from solaris_jobs.core import settings as st
+    types = {"int": int, "float": float, "str": str}
+    for flag in reversed(st.FLAGS):
+        default = st.default_of(flag.field)
+        shown = f"; default {default}" if default not in (None, "") else ""
+        var = f" or ${st.env_var(flag.field)}" if flag.field in st.ENV.values() else ""
+        kind = click.Choice(flag.choices) if flag.type == "choice" else types[flag.type]
+        f = click.option(flag.flag, "_flag_" + flag.field.replace(".", "__"), default=None, type=kind,
+                         help=f"{flag.help} [from --settings{var}{shown}]")(f)
+    return click.option("--settings", "settings_json", default=None, metavar="JSON|@FILE",
+                        help="The whole Settings as JSON (what the DAG passes to spark-submit), or @file; the "
+                             "flags above override it. Without it, the SOLARIS_* environment.")(f)
+
+
+def _settings(kw: dict):
+    """Settings from --settings (else the environment), then the flags; pops the flag arguments from ``kw``.
+    Under spark-submit (``spark_submit_main``) the master is spark-submit's unless --master is given; the log level
+    is the settings' unless --log-level is."""
+    from solaris_jobs.core.settings import Settings, apply_flags
+    raw = kw.pop("settings_json")
+    flags = {k[len("_flag_"):].replace("__", "."): kw.pop(k) for k in list(kw) if k.startswith("_flag_")}
+    if raw:
+        text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+        s = Settings.from_json(text)
+    else:
+        s = Settings.from_env(require=False)
+    root = click.get_current_context().find_root()
+    if (root.obj or {}).get("spark_submit") and flags.get("spark_master") is None:
+        s = s.for_spark_submit()
+    s = apply_flags(s, flags).require()
+    if root.get_parameter_source("log_level") != click.core.ParameterSource.COMMANDLINE:
+        logging.getLogger().setLevel(s.log_level)
+    return s
+
+
+def _write_stats(path, out) -> None:
+    if path:
+        Path(path).write_text(json.dumps(out, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _job_command(name: str, steps: tuple, help_text: str):
+    @click.command(name, help=help_text)
+    @click.option("--start", required=True, help="Interval start (UTC, inclusive).")
+    @click.option("--end", required=True, help="Interval end (UTC, exclusive); the cutoff T.")
+    @click.option("--every", default=None, help="Split [start, end) into intervals of this length (e.g. 1h) and run "
+                                                "them in order.")
+    @click.option("--stats-out", default=None, help="Also write the stats (JSON) to this local file.")
+    @_settings_options
+    def command(start, end, every, stats_out, **kw):
+        from solaris_jobs.flows.refresh_steps import run_intervals
+        from solaris_jobs.pipeline import jobs
+        s = _settings(kw)
+        spark = jobs.session(s, name)
+        out = run_intervals(start, end, every, lambda a, b: jobs.run(spark, s, a, b, steps), desc=name)
+        out = out[0] if len(out) == 1 else out
+        _write_stats(stats_out, out)
+        _echo_json(out)
+    return command
+
+
+for _name, _steps, _help in [
+    ("select", ("select",), "Candidate selection for an interval: active users, request-simulator candidates, "
+                            "negative exclusion, verifier (VM) scores, top share selected."),
+    ("embed", ("embed",), "FM inference for an interval's selected pairs: FM + autoencoder code per pair."),
+    ("aggregate", ("aggregate",), "User aggregates for an interval: mean pair embedding of the trailing 24 h."),
+    ("neighbours", ("neighbours",), "FM user embeddings, FAISS top-k neighbours and neighbour embeddings."),
+    ("refresh", ("select", "embed", "aggregate", "neighbours"), "The whole refresh of an interval: select, "
+                                                                  "embed, aggregate, neighbours."),
+]:
+    main.add_command(_job_command(_name, _steps, _help))
+
+
+_repo_option = click.option("--feature-repo", default=None, type=click.Path(file_okay=False),
+                            help="Feast repo (default: the environment's, or ./feature_repo); the online store "
+                                 "is its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH.")
+
+
+@main.command("materialize")
+@click.option("--offline", default=None, help="Offline store root (the refresh jobs' outputs; default: the "
+                                              "environment's).")
+@click.option("--start", required=True, help="Interval start (UTC).")
+@click.option("--end", required=True, help="Interval end (UTC): the outputs keyed by this end are written.")
+@click.option("--every", default=None, help="Split [start, end) into intervals of this length and write each.")
+@click.option("--views", "view_names", default=None, help="Comma-separated views (default: all).")
+@click.option("--expire-from", type=click.Choice(["event", "write"]), default=None,
+              help="event: keys expire at event time + view TTL; write: at write time + TTL (replays, demo). "
+                   "Default: the environment's, or event.")
+@click.option("--always-check", is_flag=True, help="Compare every key's stored event time (other writers exist).")
+@_repo_option
+def materialize_cmd(offline, start, end, every, view_names, expire_from, always_check, feature_repo) -> None:
+    """Write intervals' pair embeddings, user aggregates and neighbours into the online store (Feast's layout,
+    per-view expiry). Exits non-zero if any write fails; only complete intervals are recorded as materialized."""
+    from solaris_jobs.core.settings import Settings, apply_flags
+    from solaris_jobs.flows import refresh_steps as o
+    s = apply_flags(Settings.from_env(require=False), {"offline": offline, "expire_from": expire_from,
+                                                       "feature_repo": feature_repo})
+    if not s.offline:
+        raise click.UsageError("give --offline (or set the environment's offline store)")
+    names = view_names.split(",") if view_names else None
+    out = o.run_intervals(start, end, every, lambda a, b: o.materialize_interval(s, a, b, views=names,
+                                                                                 always_check=always_check),
+                          desc="materialize")
+    _echo_json(out[0] if len(out) == 1 else out)
+
+
+@main.command("rank")
+@click.option("--vm", "vm_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="VM checkpoint (a transfer-mode VM reads SOLARIS features; a plain one does not).")
+@click.option("--data", "root", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Data root: the VM's counters come from its event log before --at.")
+@click.option("--user", "user_id", required=True, type=int)
+@click.option("--items", default=None, help="Comma-separated candidate item ids (default: the request simulator's).")
+@click.option("--candidates", default=500, help="Without --items: this many simulator candidates.")
+@click.option("--at", "at", required=True, help="Request time (UTC): the clock for TTLs and counters.")
+@click.option("--budget-ms", default=10.0, help="Online-store read budget; slower reads fail open (tier none).")
+@click.option("--top", default=20, help="Rows to print.")
+@click.option("--no-features", is_flag=True, help="Score without SOLARIS features (zeros, tier none).")
+@_repo_option
+def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_features, feature_repo) -> None:
+    """Score one request with the VM and the tiered SOLARIS features; print the ranking, tiers and timings."""
+    import numpy as np
+
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.ranker import Counters, Ranker
+    from solaris_jobs.online.reader import FeatureReader
+    if items:
+        ids = np.array([int(x) for x in items.split(",")], np.int64)
+    else:
+        from solaris_jobs.core import events as ev
+        from solaris_jobs.data.requests import RequestSimulator, SimulatorConfig
+        sim = RequestSimulator(ev.read_events(root, end=at), at, SimulatorConfig().with_candidates(candidates))
+        ids = sim.candidates([user_id])["item_id"].to_numpy(np.int64)
+    from models import load_checkpoint
+    from solaris_jobs.core.contract import vm_embedding_version
+    _, meta = load_checkpoint(vm_path, kind="vm")
+    reader = None
+    if meta["config"].get("fm_dim") and not no_features:
+        reader = FeatureReader(store_config.load(feature_repo), vm_embedding_version(meta), meta["config"]["fm_dim"],
+                               budget_ms=budget_ms)
+    ranker = Ranker(vm_path, reader, Counters(root, at))
+    result = ranker.score(user_id, ids, at)
+    click.echo(result.table(top).to_string(index=False))
+    tiers = {t: result.tiers.count(t) for t in dict.fromkeys(result.tiers)}
+    click.echo(f"\n{len(ids)} candidates; tiers {tiers}; features {result.features_ms:.2f} ms, "
+               f"VM {result.model_ms:.2f} ms")
+    if reader is not None:
+        reader.close()
+
+
+@main.command("backfill")
+@click.option("--start", required=True, help="First interval start (UTC).")
+@click.option("--end", required=True, help="Last interval end (UTC).")
+@click.option("--every", default="1h", help="Interval length.")
+@click.option("--force", is_flag=True, help="Rerun intervals that are already complete.")
+@_settings_options
+def backfill_cmd(start, end, every, force, **kw) -> None:
+    """Run the refresh DAG's task functions interval by interval, without a scheduler: validate, drain misses,
+    select, embed, aggregate, neighbours, materialize, report. Complete intervals (all offline outputs and
+    materialized) are skipped; a failed one is rerun from the start on the next call."""
+    from solaris_jobs.flows import refresh_steps as o
+    s = _settings(kw)
+    out = o.backfill(s, start, end, every, force=force, progress=sys.stderr.isatty())
+    _echo_json([{k: v for k, v in r.items() if k != "steps"} | (
+        {"report": r["steps"]["report"]} if "steps" in r else {}) for r in out])
+
+
+@main.command("airflow")
+@click.option("--home", default="artifacts/airflow", type=click.Path(file_okay=False), help="AIRFLOW_HOME.")
+@click.option("--port", default=8080, help="API server and UI port on 127.0.0.1 (0: a free one).")
+@click.option("--password", default=None, help="UI password for user admin (default: generated, printed).")
+def airflow_cmd(home, port, password) -> None:
+    """Start Airflow for real with the project's DAGs: API server + UI, scheduler, DAG processor, triggerer
+    (LocalExecutor, SQLite). The SOLARIS_* settings of this shell are passed to the tasks. Ctrl-C stops it."""
+    import time
+
+    from solaris_jobs.dev.airflow_local import LocalAirflow
+    af = LocalAirflow(home, port or None, password=password).start()
+    click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}")
+    try:
+        while all(p.poll() is None for p in af.procs):
+            time.sleep(2)
+        click.echo("an Airflow service exited; stopping", err=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        af.stop()
+
+
+@main.group()
+def misses() -> None:
+    """The serving miss queue (pairs ranked without a fresh pair embedding)."""
+
+
+@misses.command("drain")
+@click.option("--offline", required=True, help="Offline store root: files go to <offline>/misses/.")
+@_repo_option
+def misses_drain(offline, feature_repo) -> None:
+    """Move the Redis miss stream into parquet under <offline>/misses/, where the next selection reads it."""
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.misses import drain_misses
+    cfg = store_config.load(feature_repo)
+    if cfg.kind != "redis":
+        raise click.ClickException("the miss stream lives in Redis; with SQLite the serving client writes "
+                                   "parquet under <offline>/misses/ directly (FeatureReader(misses_dir=...))")
+    _echo_json(drain_misses(cfg, offline))
+
+
+def spark_submit_main(command: str) -> None:
+    """What ``spark_jobs/<script>.py`` runs under spark-submit: ``solaris <command>`` with the script's arguments."""
+    main([command, *sys.argv[1:]], prog_name=sys.argv[0], obj={"spark_submit": True})
+
+
+if __name__ == "__main__":
+    main()

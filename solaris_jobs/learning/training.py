@@ -1,0 +1,359 @@
+"""Training and evaluation of the FM, the autoencoder and the VM on a time split of an event log.
+
+The split (``features.time_split``): train = events before the 80% time quantile, valid = up to the 90%
+quantile, test = the rest. Inputs of every event come only from events strictly before it (the history index is
+built over the whole log; queries never see their own time or later). Each epoch logs train and valid BCE and
+AUC; the weights of the best valid BCE are kept (early stopping with ``patience``). Deterministic under a seed
+on CPU for a given thread count.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, VMConfig, VerticalModel, batch_to_tensors,
+                    load_checkpoint, save_checkpoint)
+from solaris_jobs.core import events as ev
+from solaris_jobs.core.contract import TIERS
+from solaris_jobs.core.model_inputs import EventIndex, Examples, side_tables, time_split
+from solaris_jobs.pipeline.model_refs import check_ae_of_fm, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings shared by the three trainers."""
+    epochs: int = 3
+    batch_size: int = 256
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    patience: int = 1
+    seed: int = 0
+    device: str = "auto"
+    history_len: int = 50
+    max_train_rows: int | None = None     # subsample: N train rows, N/4 valid and test rows (large logs)
+    split: tuple = (0.8, 0.1, 0.1)
+
+
+@dataclass
+class Dataset:
+    """An event log loaded for training: the history index, the three splits and the side tables."""
+    root: str
+    index: EventIndex
+    train: Examples
+    valid: Examples
+    test: Examples
+    cuts: tuple
+    user_side: dict
+    item_side: dict
+    tables: dict = field(repr=False, default_factory=dict)
+
+
+def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_train_rows: int | None = None,
+                 seed: int = 0, cuts: tuple | None = None) -> Dataset:
+    """Reads ``root`` (events + side tables) and splits it by time.
+
+    Args:
+        split: train/valid/test shares of the rows, by time quantiles (without ``cuts``).
+        cuts: (valid_from, test_from) times instead: train before the first, valid up to the second, test after.
+
+    Raises:
+        DataContractError: no event log under ``root``, or it is empty.
+    """
+    t0 = time.perf_counter()
+    table = ev.read_events(root)
+    if table.num_rows == 0:
+        raise ev.DataContractError(f"{root}: the event log is empty")
+    index = EventIndex(table)
+    examples = Examples.from_events(index, table, history_len)
+    if cuts is not None:
+        c1, c2 = (ev.to_utc(c).value // 1000 for c in cuts)
+        ts = examples.ts
+        train, valid, test, cuts = ts < c1, (ts >= c1) & (ts < c2), ts >= c2, (int(c1), int(c2))
+    else:
+        train, valid, test, cuts = time_split(examples.ts, split)
+    if max_train_rows:
+        # Large logs: N training rows and N/4 each for valid and test, sampled uniformly.
+        rng = np.random.default_rng(seed)
+        train, valid, test = (_sample(m, n, rng) for m, n in
+                              ((train, max_train_rows), (valid, max_train_rows // 4), (test, max_train_rows // 4)))
+    users, items = ev.read_side(root, "users"), ev.read_side(root, "items")
+    n_users = int(max(table.column("user_id").to_numpy().max(), users["user_id"].max() if len(users) else 0)) + 1
+    n_items = int(max(table.column("item_id").to_numpy().max(), items["item_id"].max() if len(items) else 0)) + 1
+    uspec, ucat, umulti = side_tables(users, "user_id", n_users)
+    ispec, icat, imulti = side_tables(items, "item_id", n_items)
+    as_dict = lambda s: {"n_ids": s.n_ids, "categorical": dict(s.categorical),
+                         "multi": {k: list(v) for k, v in s.multi.items()}}
+    logger.info("loaded %s: %d events (train %d, valid %d, test %d) in %.1fs", root, len(examples), train.sum(),
+                valid.sum(), test.sum(), time.perf_counter() - t0)
+    return Dataset(str(root), index, examples.subset(train), examples.subset(valid), examples.subset(test), cuts,
+                   as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)})
+
+
+def _sample(mask: np.ndarray, n: int, rng) -> np.ndarray:
+    if mask.sum() <= n:
+        return mask
+    keep = np.sort(rng.choice(np.flatnonzero(mask), n, replace=False))
+    out = np.zeros_like(mask)
+    out[keep] = True
+    return out
+
+
+def auc(y: np.ndarray, p: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score
+    known = y >= 0
+    y, p = y[known], p[known]
+    return float(roc_auc_score(y, p)) if 0 < y.sum() < len(y) else float("nan")
+
+
+def bce(y: np.ndarray, p: np.ndarray) -> float:
+    known = y >= 0
+    p = np.clip(p[known], 1e-7, 1 - 1e-7)
+    y = y[known]
+    return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
+
+
+def _progress(iterable, total: int, desc: str):
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        return tqdm(iterable, total=total, desc=desc, leave=False)
+    return iterable
+
+
+@torch.inference_mode()
+def predict(model, examples: Examples, batch_size: int = 1024, device=None, outputs=("logit",)) -> dict:
+    """Runs ``model`` over ``examples`` in eval mode; returns the requested outputs as numpy arrays."""
+    device = device or next(model.parameters()).device
+    model.eval()
+    got = {k: [] for k in outputs}
+    for b in examples.batches(batch_size):
+        out = model(batch_to_tensors(b, device))
+        for k in outputs:
+            got[k].append(out[k].float().cpu().numpy())
+    return {k: np.concatenate(v) if v else np.zeros(0, np.float32) for k, v in got.items()}
+
+
+def evaluate(model, examples: Examples, batch_size: int = 1024) -> dict:
+    """BCE and AUC of ``model``'s label logit on ``examples``."""
+    p = 1.0 / (1.0 + np.exp(-predict(model, examples, batch_size)["logit"].astype(np.float64)))
+    return {"bce": bce(examples.label, p), "auc": auc(examples.label, p), "rows": int(len(examples))}
+
+
+def fit(model, data: Dataset, cfg: TrainConfig, name: str) -> dict:
+    """Trains ``model`` (which has ``loss(out, batch)``) on data.train, early-stopped on data.valid BCE.
+
+    Returns:
+        Per-epoch history and the best epoch's valid metrics; the model holds the best weights.
+    """
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    best, best_state, history, bad = math.inf, None, [], 0
+    n_batches = math.ceil(len(data.train) / cfg.batch_size)
+    for epoch in range(cfg.epochs):
+        t0 = time.perf_counter()
+        model.train()
+        ys, ps = [], []
+        for b in _progress(data.train.batches(cfg.batch_size, shuffle_seed=cfg.seed * 1000 + epoch), n_batches,
+                           f"{name} epoch {epoch + 1}"):
+            tb = batch_to_tensors(b, device)
+            out = model(tb)
+            loss = model.loss(out, tb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            ys.append(b["label"])
+            ps.append(torch.sigmoid(out["logit"]).detach().cpu().numpy())
+        y, p = np.concatenate(ys), np.concatenate(ps)
+        valid = evaluate(model, data.valid)
+        rec = {"epoch": epoch + 1, "train_bce": bce(y, p), "train_auc": auc(y, p), "valid_bce": valid["bce"],
+               "valid_auc": valid["auc"], "seconds": round(time.perf_counter() - t0, 2)}
+        history.append(rec)
+        logger.info("%s epoch %d: train BCE %.4f AUC %.4f | valid BCE %.4f AUC %.4f | %.1fs", name, epoch + 1,
+                    rec["train_bce"], rec["train_auc"], rec["valid_bce"], rec["valid_auc"], rec["seconds"])
+        if valid["bce"] < best:
+            best, bad = valid["bce"], 0
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            bad += 1
+            if bad >= cfg.patience:
+                break
+    model.load_state_dict(best_state)
+    best_epoch = min(history, key=lambda r: r["valid_bce"])["epoch"]
+    return {"history": history, "best_epoch": best_epoch}
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def _base_rate(data: Dataset) -> dict:
+    y = data.train.label[data.train.label >= 0]
+    p = float(y.mean())
+    return {"p": p, "valid_bce": bce(data.valid.label, np.full(len(data.valid), p)),
+            "test_bce": bce(data.test.label, np.full(len(data.test), p))}
+
+
+def _split_info(data: Dataset) -> dict:
+    import pandas as pd
+    to_iso = lambda us: pd.Timestamp(us, unit="us", tz="UTC").isoformat()
+    return {"train_rows": len(data.train), "valid_rows": len(data.valid), "test_rows": len(data.test),
+            "valid_from": to_iso(data.cuts[0]), "test_from": to_iso(data.cuts[1])}
+
+
+def train_fm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), **model_args) -> dict:
+    """Trains the FM; saves the checkpoint at ``out``; returns metrics (valid/test BCE and AUC, base rate)."""
+    _seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    model = FoundationModel(FMConfig(user_side=data.user_side, item_side=data.item_side,
+                                     history_len=cfg.history_len, **model_args))
+    model.users.set_tables(*data.tables["user"])
+    model.items.set_tables(*data.tables["item"])
+    model.to(device)
+    t0 = time.perf_counter()
+    run = fit(model, data, cfg, "fm")
+    metrics = _final_metrics(model, data, run, t0)
+    version = save_checkpoint(model.cpu(), out, extra={"metrics": metrics, "train": _cfg_dict(cfg)})
+    metrics["model_version"] = version
+    return metrics
+
+
+def _cfg_dict(cfg: TrainConfig) -> dict:
+    from dataclasses import asdict
+    return asdict(cfg)
+
+
+def _final_metrics(model, data: Dataset, run: dict, t0: float) -> dict:
+    seconds = time.perf_counter() - t0
+    valid, test = evaluate(model, data.valid), evaluate(model, data.test)
+    m = {"valid_bce": valid["bce"], "valid_auc": valid["auc"], "test_bce": test["bce"], "test_auc": test["auc"],
+         "train_seconds": round(seconds, 1), **run, "split": _split_info(data), "base_rate": _base_rate(data)}
+    logger.info("test BCE %.4f AUC %.4f (base rate BCE %.4f), %.1fs", test["bce"], test["auc"],
+                m["base_rate"]["test_bce"], seconds)
+    return m
+
+
+@torch.inference_mode()
+def fm_outputs(fm: FoundationModel, examples: Examples, batch_size: int = 1024) -> dict:
+    """The FM's probability (N,) and interaction embedding h (N, d_interaction) for every example."""
+    out = predict(fm, examples, batch_size, outputs=("logit", "h"))
+    return {"prob": (1.0 / (1.0 + np.exp(-out["logit"].astype(np.float64)))).astype(np.float32), "h": out["h"]}
+
+
+def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
+             d_code: int = 32) -> dict:
+    """Trains the autoencoder on the FM's h over the training split; reports explained variance on test."""
+    _seed(cfg.seed)
+    fm, fm_meta = load_checkpoint(fm_path, kind="fm")
+    h_train = torch.from_numpy(fm_outputs(fm, data.train)["h"])
+    h_test = torch.from_numpy(fm_outputs(fm, data.test)["h"])
+    h_valid = torch.from_numpy(fm_outputs(fm, data.valid)["h"])
+    ae = Autoencoder(AEConfig(d_in=h_train.shape[1], d_code=d_code))
+    ae.set_scale(h_train)
+    opt = torch.optim.AdamW(ae.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    best, best_state, history = math.inf, None, []
+    for epoch in range(max(cfg.epochs, 1) * 5):
+        ae.train()
+        for idx in torch.randperm(len(h_train), generator=gen).split(cfg.batch_size):
+            loss = ae.loss(h_train[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        ae.eval()
+        with torch.inference_mode():
+            v = float(ae.loss(h_valid))
+        history.append({"epoch": epoch + 1, "valid_mse": v})
+        logger.info("ae epoch %d: valid MSE (standardised) %.4f", epoch + 1, v)
+        if v < best:
+            best, best_state = v, {k: t.clone() for k, t in ae.state_dict().items()}
+    ae.load_state_dict(best_state)
+    ae.eval()
+    with torch.inference_mode():
+        metrics = {"test_mse": float(ae.loss(h_test)), "test_explained_variance": ae.explained_variance(h_test),
+                   "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
+                   "fm_version": fm_meta["model_version"], "split": _split_info(data)}
+    logger.info("ae: test explained variance %.3f", metrics["test_explained_variance"])
+    metrics["model_version"] = save_checkpoint(ae, out, extra={"metrics": metrics, "fm_version":
+                                                               fm_meta["model_version"]})
+    return metrics
+
+
+def attach_fm_features(data: Dataset, fm_path, ae_path=None, kd: bool = False, coverage: float = 1.0,
+                       seed: int = 0) -> dict:
+    """Adds FM-derived per-row inputs to every split: ``fm_prob`` (KD) or ``fm_emb`` + ``tier`` (transfer).
+
+    With ``coverage`` < 1, a random share of rows gets zeros and tier none instead, as a cache miss would.
+
+    Returns:
+        The versions of the models used.
+    """
+    fm, fm_meta = load_checkpoint(fm_path, kind="fm")
+    versions = {"fm_version": fm_meta["model_version"]}
+    ae = None
+    if not kd:
+        ae, ae_meta = load_checkpoint(ae_path, kind="ae")
+        check_ae_of_fm(fm_meta, ae_meta, fm_path, ae_path)
+        versions["ae_version"] = ae_meta["model_version"]
+    rng = np.random.default_rng(seed)
+    for split in (data.train, data.valid, data.test):
+        out = fm_outputs(fm, split)
+        if kd:
+            split.extras["fm_prob"] = out["prob"]
+            continue
+        with torch.inference_mode():
+            code = ae.encode(torch.from_numpy(out["h"])).numpy()
+        hit = rng.random(len(split)) < coverage
+        split.extras["fm_emb"] = np.where(hit[:, None], code, 0.0).astype(np.float32)
+        split.extras["tier"] = np.where(hit, TIERS.index("pair"), TIERS.index("none")).astype(np.int64)
+    return versions
+
+
+def train_vm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), mode: str = "plain",
+             fm_path=None, ae_path=None, kd_weight: float = 0.5, coverage: float = 1.0, **model_args) -> dict:
+    """Trains the VM: ``plain`` (no FM), ``kd`` (FM soft labels) or ``transfer`` (FM embedding input).
+
+    Returns:
+        Metrics (valid/test BCE and AUC, base rate); saves the checkpoint at ``out``.
+    """
+    if mode not in ("plain", "kd", "transfer"):
+        raise ValueError(f"unknown VM mode {mode!r}: plain, kd or transfer")
+    _seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    versions = {}
+    fm_dim = 0
+    if mode in ("kd", "transfer"):
+        if fm_path is None or (mode == "transfer" and ae_path is None):
+            raise ValueError(f"VM mode {mode!r} needs --fm" + (" and --ae" if mode == "transfer" else ""))
+        for s in (data.train, data.valid, data.test):
+            s.extras.clear()
+        versions = attach_fm_features(data, fm_path, ae_path, kd=mode == "kd", coverage=coverage, seed=cfg.seed)
+        if mode == "transfer":
+            fm_dim = data.train.extras["fm_emb"].shape[1]
+    _seed(cfg.seed)
+    model = VerticalModel(VMConfig(user_side=data.user_side, item_side=data.item_side, fm_dim=fm_dim,
+                                   kd_weight=kd_weight if mode == "kd" else 0.0, **model_args))
+    model.users.set_tables(*data.tables["user"])
+    model.items.set_tables(*data.tables["item"])
+    model.to(device)
+    t0 = time.perf_counter()
+    run = fit(model, data, cfg, f"vm-{mode}")
+    metrics = _final_metrics(model, data, run, t0)
+    metrics.update(mode=mode, coverage=coverage, **versions)
+    metrics["model_version"] = save_checkpoint(model.cpu(), out, extra={"metrics": metrics, **versions,
+                                                                          "train": _cfg_dict(cfg)})
+    return metrics
+
+
+def transfer_ratio(l_vm: float, l_variant: float, l_fm: float) -> float:
+    """TR = (L_VM - L_variant) / (L_VM - L_FM): the share of the FM's gain over the VM that the variant keeps."""
+    return (l_vm - l_variant) / (l_vm - l_fm) if l_vm != l_fm else float("nan")

@@ -1,0 +1,234 @@
+"""Materialization: one interval's offline outputs (pair embeddings, user aggregates, neighbours) into the online
+store, in the layout the stock Feast SDK reads, each key expiring with its own view's TTL.
+
+Rows that cannot be served (null key, missing or wrongly sized embedding, non-finite values, no timestamp) are set
+aside with a count per reason in the returned stats. A failure part-way raises; only a complete interval is
+recorded as materialized (``materialized_intervals``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from solaris_jobs.core import offline as off
+from solaris_jobs.core.events import to_utc as _utc
+from solaris_jobs.online import feast_format as ff
+from solaris_jobs.online.store_config import StoreConfig, redis_client
+from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, View, views
+from solaris_jobs.online.writer import ClusterWriter, Encoded, RedisWriter, SqliteWriter
+
+logger = logging.getLogger(__name__)
+
+MARKER = "solaris:{project}:materialized"
+
+
+def _embedding_matrix(col: pa.ChunkedArray | pa.Array, where: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(n, D) float32 and the rows that are valid (D = the most common width); reasons for the others."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    lens = pc.list_value_length(col).fill_null(-1).to_numpy(zero_copy_only=False)
+    good_lens = lens[lens > 0]
+    if not len(good_lens):
+        return np.zeros((len(col), 0), np.float32), np.zeros(len(col), bool), {"no embedding": int(len(col))}
+    widths, counts = np.unique(good_lens, return_counts=True)
+    d = int(widths[np.argmax(counts)])
+    ok = lens == d
+    reasons = Counter()
+    reasons["no embedding"] += int((lens <= 0).sum())
+    reasons[f"embedding width is not {d}"] += int(((lens > 0) & ~ok).sum())
+    m = np.zeros((len(col), d), np.float32)
+    if ok.any():
+        flat = pc.list_flatten(col.filter(pa.array(ok))).to_numpy(zero_copy_only=False).astype(np.float32)
+        m[ok] = flat.reshape(-1, d)
+    finite = np.isfinite(m).all(1)
+    reasons["non-finite embedding value"] += int((ok & ~finite).sum())
+    ok &= finite
+    logger.debug("%s: embedding width %d", where, d)
+    return m, ok, {k: v for k, v in reasons.items() if v}
+
+
+def encode(view: View, table: pa.Table, suffix: bytes) -> tuple[Encoded, pd.DataFrame, dict]:
+    """Encodes a batch of one view's rows.
+
+    Returns:
+        (encoded valid rows, their (event_timestamp, model_version) frame, rejected counts by reason).
+    """
+    missing = [c for c in (*view.join_keys, *view.columns, "event_timestamp") if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{view.name}: offline output lacks columns {missing}")
+    n = table.num_rows
+    ok = np.ones(n, bool)
+    reasons: Counter = Counter()
+    for k in view.join_keys:
+        null = table.column(k).is_null().to_numpy(zero_copy_only=False)
+        reasons[f"null {k}"] += int((null & ok).sum())
+        ok &= ~null
+    ts = table.column("event_timestamp").cast(pa.timestamp("us", tz="UTC"))
+    null = ts.is_null().to_numpy(zero_copy_only=False)
+    reasons["null event_timestamp"] += int((null & ok).sum())
+    ok &= ~null
+    emb, emb_ok, why = _embedding_matrix(table.column(EMBEDDING), view.name)
+    for r, c in why.items():
+        reasons[r] += c
+    ok &= emb_ok
+    keep = pa.array(ok)
+    t = table.filter(keep)
+    meta = pd.DataFrame({"ts": t.column("event_timestamp").cast(pa.timestamp("us", tz="UTC")).to_pandas(),
+                         "version": t.column(MODEL_VERSION).to_pandas().fillna("").astype(str)})
+    keys = ff.entity_keys({k: t.column(k).to_numpy() for k in view.join_keys}, suffix)
+    values = []
+    for col, kind in view.features:
+        if col == EMBEDDING:
+            values.append(ff.float_lists(emb[ok]))
+        elif col == MODEL_VERSION:
+            values.append(None)             # one value per (event time, version) group: see _constant_version
+        elif kind == "int32":
+            values.append(ff.int32_values(t.column(col).fill_null(0).to_numpy()))
+        elif kind == "int64_list":
+            values.append([ff.int64_list(v or []) for v in t.column(col).to_pylist()])
+        elif kind == "float_list":
+            values.append([ff.float_list(v or []) for v in t.column(col).to_pylist()])
+        else:
+            raise ValueError(f"{view.name}.{col}: unsupported kind {kind}")
+    return Encoded(keys, values), meta, {k: v for k, v in reasons.items() if v}
+
+
+def _groups(meta: pd.DataFrame):
+    """Row indices per (event time, model version): one script header each."""
+    for (ts, version), idx in meta.groupby(["ts", "version"], sort=True).indices.items():
+        yield pd.Timestamp(ts), version, idx
+
+
+def _constant_version(enc: Encoded, view: View, idx: np.ndarray, version: str) -> Encoded:
+    """Rows of one group, with the model version as fixed-width records (one shared value)."""
+    part = enc.take(idx)
+    j = view.columns.index(MODEL_VERSION)
+    b = ff.string_value(version)
+    part.values[j] = np.frombuffer(b * len(idx), dtype=np.dtype((np.void, len(b))))
+    return part
+
+
+def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_from: str = "event",
+                now=None, batch_rows: int = 50_000, env=None, always_check: bool = False, start=None) -> dict:
+    """Writes the interval ending at ``end`` into the online store.
+
+    Args:
+        start: the interval's start, recorded with it (the training DAG re-embeds ``[start, end)``).
+        expire_from: ``event``: a key expires at its row's event time + the view's TTL (rows already past it are
+            not written, and counted); ``write``: at the write time + TTL (replays of old data, the demo).
+        now: the clock for ``expire_from`` (default: the wall clock).
+        always_check: compare every key's stored event time even when no later interval was materialized
+            (when something else also writes these views).
+
+    Returns:
+        Stats per view: rows read, written, skipped (a newer row is stored), expired, rejected by reason, seconds.
+
+    Raises:
+        FileNotFoundError: the interval has no complete output for a view.
+        redis.RedisError / sqlite3.Error: the store failed part-way (the interval is not marked materialized).
+    """
+    if expire_from not in ("event", "write"):
+        raise ValueError(f"expire_from must be 'event' or 'write', not {expire_from!r}")
+    all_views = views(env)
+    names = list(view_names or all_views)
+    unknown = set(names) - set(all_views)
+    if unknown:
+        raise ValueError(f"unknown feature views {sorted(unknown)}; known: {sorted(all_views)}")
+    end = _utc(end)
+    now = _utc(pd.Timestamp.now(tz="UTC") if now is None else now)
+    created = int(now.timestamp())          # Feast's SQLite store keeps times as epoch seconds
+    if cfg.kind == "redis":
+        client = redis_client(cfg, timeout_s=60)
+        writer = ClusterWriter(client, cfg) if cfg.redis_type == "redis_cluster" else RedisWriter(client)
+        suffix = cfg.project.encode()               # Feast's Redis keys end with the project
+    else:
+        client, writer, suffix = None, SqliteWriter(cfg.sqlite_path, cfg.project), b""
+    # Views whose entity keys other views also write (the user views share the user's hash).
+    shared = {n: sum(v.join_keys == all_views[n].join_keys for v in all_views.values()) > 1 for n in all_views}
+    # Rows newer than this interval's can only be in the store if a later interval was materialized before
+    # (a backfill): only then must each key be compared with what is stored.
+    later = [e for e in materialized_intervals(cfg) if e > end]
+    check_newer = bool(later) or always_check
+    out = {"interval_end": end.isoformat(), "interval_start": _utc(start).isoformat() if start is not None else None,
+           "checked_newer": check_newer, "store": cfg.describe(),
+           "expire_from": expire_from, "views": {}}
+    t_all = time.perf_counter()
+    try:
+        for name in names:
+            view = all_views[name]
+            fields = [ff.field_name(view.name, c) for c in view.columns] if cfg.kind == "redis" else view.columns
+            st = Counter()
+            rejected: Counter = Counter()
+            t0 = time.perf_counter()
+            for batch in off.read_batches(offline, view.name, end, batch_rows):
+                table = pa.Table.from_batches([batch])
+                st["rows"] += table.num_rows
+                enc, meta, why = encode(view, table, suffix)
+                rejected.update(why)
+                for ts, version, idx in _groups(meta):
+                    base = now if expire_from == "write" else ts
+                    expire_at = base + view.ttl
+                    if expire_at <= now:
+                        st["expired"] += len(idx)
+                        continue
+                    part = _constant_version(enc, view, idx, version)
+                    if cfg.kind == "redis":
+                        ns = ts.value
+                        writer.write(view, part, ns // 10**9, ns % 10**9, expire_at.value // 10**6, fields,
+                                     shared=shared[name], check_newer=check_newer)
+                    else:
+                        writer.write(view, part, int(ts.timestamp()), created, fields)
+            st["written"], st["skipped_older"] = writer.flush()
+            secs = time.perf_counter() - t0
+            out["views"][name] = {**{k: int(st[k]) for k in ("rows", "written", "skipped_older", "expired")},
+                                  "rejected": dict(rejected), "ttl_seconds": int(view.ttl.total_seconds()),
+                                  "seconds": round(secs, 3),
+                                  "rows_per_s": round(st["rows"] / secs, 1) if secs > 0 else None}
+            for reason, count in rejected.items():
+                logger.warning("%s %s: %d rows set aside: %s", name, end, count, reason)
+        out["seconds"] = round(time.perf_counter() - t_all, 3)
+        _mark(cfg, client, writer, end, out)
+    finally:
+        writer.close()
+    logger.info("materialized %s into %s: %s", end, cfg.describe(),
+                {k: (v["written"], v["rows"]) for k, v in out["views"].items()})
+    return out
+
+
+def _mark(cfg: StoreConfig, client, writer, end: pd.Timestamp, stats: dict) -> None:
+    text = json.dumps(stats, sort_keys=True, default=str)
+    if cfg.kind == "redis":
+        client.hset(MARKER.format(project=cfg.project), end.isoformat(), text)
+    else:
+        with writer.conn:
+            writer.conn.execute("CREATE TABLE IF NOT EXISTS solaris_materialized "
+                                "(interval_end TEXT PRIMARY KEY, stats TEXT)")
+            writer.conn.execute("INSERT OR REPLACE INTO solaris_materialized VALUES (?, ?)", (end.isoformat(), text))
+
+
+def materialized_intervals(cfg: StoreConfig) -> dict[pd.Timestamp, dict]:
+    """Intervals recorded as completely materialized in the store, with their stats."""
+    if cfg.kind == "redis":
+        client = redis_client(cfg, timeout_s=10)
+        try:
+            raw = client.hgetall(MARKER.format(project=cfg.project))
+        finally:
+            client.close()
+        return {pd.Timestamp(k.decode()): json.loads(v) for k, v in raw.items()}
+    import sqlite3
+    if not cfg.sqlite_path.exists():
+        return {}
+    conn = sqlite3.connect(str(cfg.sqlite_path))
+    try:
+        rows = conn.execute("SELECT interval_end, stats FROM solaris_materialized").fetchall()
+    except sqlite3.OperationalError:
+        rows = []
+    finally:
+        conn.close()
+    return {pd.Timestamp(k): json.loads(v) for k, v in rows}

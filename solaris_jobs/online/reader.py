@@ -1,0 +1,328 @@
+"""The serving client: for one ranking request (a user, N candidate items, a clock) the FM features of every
+candidate, resolved per pair through the tiers: fresh pair embedding -> user aggregate -> neighbour embedding ->
+zeros. Returns an (N, D) float32 matrix and a tier per row (``solaris_jobs.core.contract.TIERS``).
+
+- Redis: one round trip: the HMGET of the user's hash (both user views) and the N pair hashes, in Feast's layout,
+  written to the socket as one buffer built with numpy and parsed by hiredis (redis-py's per-command Python would
+  cost ~14 us x N). Rows past their view's TTL (from their event time, since Feast does not filter by ttl), newer
+  than the request (replays) or of another model version than the VM expects are never served.
+- SQLite (embedded default): one query per view.
+- Fail-open: a store that errors or does not answer within ``budget_ms`` gives zeros and tier none, counted, never an
+  exception; after a failure the store is not tried again for ``cooldown_s`` (no timeout paid per request).
+- Misses (pairs without a fresh pair embedding) go to the bounded miss queue (``solaris_jobs.online.misses``); a full
+  queue drops and counts, it never blocks a request.
+"""
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from solaris_jobs.core.contract import TIERS
+from solaris_jobs.online import feast_format as ff
+from solaris_jobs.online.misses import MissQueue, ParquetSink, RedisStreamSink
+from solaris_jobs.online.resp import bulk, bulk_records
+from solaris_jobs.online.store_config import StoreConfig, redis_client
+from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, views
+
+logger = logging.getLogger(__name__)
+
+T_PAIR, T_AGG, T_NB, T_NONE = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour", "none"))
+MISSING, STALE, OTHER_VERSION, FUTURE = 0, 1, 2, 3
+CODE_NAMES = {MISSING: "missing", STALE: "stale", OTHER_VERSION: "other_version", FUTURE: "future"}
+
+@dataclass
+class Features:
+    embeddings: np.ndarray          # (N, D) float32
+    tiers: np.ndarray               # (N,) int64, index into solaris_jobs.core.contract.TIERS
+    latency_ms: float
+    failed_open: bool = False
+    ages_s: np.ndarray | None = None    # (N,) float64: seconds from the served row's event time to the request; NaN for none
+
+    def tier_names(self) -> list[str]:
+        return [TIERS[t] for t in self.tiers]
+
+
+@dataclass
+class ServingMetrics:
+    """Counters and recent latencies a platform team can scrape (``prometheus()``)."""
+    counts: Counter = field(default_factory=Counter)
+    latencies_ms: deque = field(default_factory=lambda: deque(maxlen=10_000))
+
+    def snapshot(self) -> dict:
+        lat = np.array(self.latencies_ms) if self.latencies_ms else np.zeros(1)
+        return {**dict(self.counts), "latency_p50_ms": float(np.percentile(lat, 50)),
+                "latency_p99_ms": float(np.percentile(lat, 99))}
+
+    def prometheus(self) -> str:
+        lines = [f'solaris_serving_{k}_total {v}' for k, v in sorted(self.counts.items())]
+        s = self.snapshot()
+        lines += [f'solaris_serving_latency_ms{{quantile="0.5"}} {s["latency_p50_ms"]:.3f}',
+                  f'solaris_serving_latency_ms{{quantile="0.99"}} {s["latency_p99_ms"]:.3f}']
+        return "\n".join(lines) + "\n"
+
+
+def epoch_seconds(now) -> float:
+    """Seconds since the epoch of a time (naive times are UTC) or of a number already in seconds."""
+    if isinstance(now, (int, float, np.integer, np.floating)):
+        return float(now)
+    t = pd.Timestamp(now)
+    return (t.tz_localize("UTC") if t.tzinfo is None else t).timestamp()
+
+
+class FeatureReader:
+    """Tiered FM features for ranking requests, from the SOLARIS online store.
+
+    Args:
+        cfg: the online store (``store_config.load()``).
+        model_version: the embedding version the VM was trained with (``<fm version>+<ae version>``); rows of
+            any other version are never served.
+        dim: the embedding width D the VM takes.
+        budget_ms: the read's time budget (socket timeout); slower or failing reads give tier none.
+        misses: ``auto`` (Redis stream for a Redis store, else parquet under ``misses_dir`` if given), None (off),
+            or a sink object with ``write(records)`` and ``close()``.
+    """
+
+    def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
+                 cooldown_s: float = 1.0, misses="auto", misses_dir: str | Path | None = None,
+                 miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5):
+        self.cfg, self.version, self.dim = cfg, model_version, dim
+        self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
+        self.views = views(env)
+        self.metrics = ServingMetrics()
+        self._down_until = 0.0
+        self._version_value = ff.string_value(model_version)
+        self._conn = self._client = self._sqlite = None
+        self._ts_cache: dict = {}
+        self._ttl = {n: v.ttl.total_seconds() for n, v in self.views.items()}
+        if misses == "auto":
+            misses = RedisStreamSink(cfg) if cfg.kind == "redis" else (ParquetSink(misses_dir) if misses_dir
+                                                                       else None)
+        self.misses = MissQueue(misses, self.metrics, miss_queue_size, miss_flush_s) if misses is not None else None
+        self._suffix = cfg.project.encode() if cfg.kind == "redis" else b""     # Feast's Redis keys end so
+
+        def fields(v):
+            return [ff.field_name(v.name, EMBEDDING), ff.field_name(v.name, MODEL_VERSION), ff.ts_field(v.name)]
+        self._user_fields = fields(self.views["user_aggregates"]) + fields(self.views["neighbours"])
+        self._pair_head = b"*5\r\n" + bulk(b"HMGET")
+        self._pair_fields = fields(self.views["pair_embeddings"])
+        self._pair_tail = b"".join(map(bulk, self._pair_fields))
+
+    # -- connections
+    def _redis(self):
+        """A dedicated connection (redis-py does TLS/AUTH/SELECT) used raw: one pipelined write, hiredis replies."""
+        if self._conn is None:
+            import hiredis
+            self._client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
+            conn = self._client.connection_pool.make_connection()
+            conn.connect()
+            self._conn, self._reader = conn, hiredis.Reader()
+        return self._conn
+
+    def _sqlite_conn(self):
+        if self._sqlite is None:
+            path = self.cfg.sqlite_path
+            if not Path(path).exists():
+                raise FileNotFoundError(f"{path}: no online store yet (run `solaris materialize`)")
+            self._sqlite = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
+                                           timeout=self.budget_ms / 1000.0)
+        return self._sqlite
+
+    # -- reads: each returns [(embedding, version, event time s) or None for the aggregate, the neighbour view,
+    #    then each pair]
+    def _ts(self, raw: bytes | None) -> float | None:
+        if raw is None:
+            return None
+        t = self._ts_cache.get(raw)
+        if t is None:
+            if len(self._ts_cache) > 10_000:
+                self._ts_cache.clear()
+            t = self._ts_cache[raw] = ff.parse_timestamp(raw)
+        return t
+
+    def _read_redis(self, user: int, items: np.ndarray) -> list:
+        ukey = ff.entity_key({"user_id": user}, self._suffix)
+        pkeys = ff.entity_keys({"user_id": np.full(len(items), user, np.int64), "item_id": items}, self._suffix)
+        if self.cfg.redis_type == "redis_cluster":
+            replies = self._read_cluster(ukey, pkeys)
+        else:
+            replies = self._read_single(ukey, pkeys)
+        u = replies[0]
+        out = [(u[0], u[1], self._ts(u[2])) if u[0] is not None else None,
+               (u[3], u[4], self._ts(u[5])) if u[3] is not None else None]
+        out += [(r[0], r[1], self._ts(r[2])) if r[0] is not None else None for r in replies[1:]]
+        return out
+
+    def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
+        """Redis Cluster: the keys live on several nodes; redis-py's cluster pipeline, one round trip per node."""
+        if self._client is None:
+            self._client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hmget(ukey, self._user_fields)
+        for k in pkeys:
+            pipe.hmget(k.tobytes(), self._pair_fields)
+        return pipe.execute()
+
+    def _read_single(self, ukey: bytes, pkeys: np.ndarray) -> list:
+        conn = self._redis()
+        # One buffer: HMGET of the user's hash (both user views), then one HMGET per pair (fixed-width records).
+        head = (b"*%d\r\n" % (2 + len(self._user_fields)) + bulk(b"HMGET") + bulk(ukey)
+                + b"".join(map(bulk, self._user_fields)))
+        keys = bulk_records(pkeys)
+        rec = np.empty(len(pkeys), np.dtype([("h", "u1", (len(self._pair_head),)), ("k", keys.dtype),
+                                             ("f", "u1", (len(self._pair_tail),))]))
+        rec["h"] = np.frombuffer(self._pair_head, np.uint8)
+        rec["k"] = keys
+        rec["f"] = np.frombuffer(self._pair_tail, np.uint8)
+        conn._sock.sendall(head + rec.tobytes())
+        replies, reader, sock = [], self._reader, conn._sock
+        while len(replies) < 1 + len(pkeys):
+            r = reader.gets()
+            if r is False:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise ConnectionError("redis closed the connection")
+                reader.feed(data)
+                continue
+            if isinstance(r, Exception):
+                raise r
+            replies.append(r)
+        return replies
+
+    def _read_sqlite(self, user: int, items: np.ndarray) -> list:
+        conn = self._sqlite_conn()
+
+        def rows(view, keys: list[bytes]) -> dict:
+            q = (f'SELECT entity_key, feature_name, value, event_ts FROM "{self.cfg.project}_{view.name}" '
+                 f'WHERE feature_name IN (?, ?) AND entity_key IN ({",".join("?" * len(keys))})')
+            try:
+                found = conn.execute(q, (EMBEDDING, MODEL_VERSION, *keys)).fetchall()
+            except sqlite3.OperationalError as e:
+                if "no such table" in str(e):
+                    return {}
+                raise
+            out: dict = {}
+            for k, name, value, ts in found:
+                out.setdefault(k, {})[name] = value
+                out[k]["_ts"] = ts
+            return out
+
+        def triple(rec):
+            if rec is None or EMBEDDING not in rec:
+                return None
+            ts = rec["_ts"]            # epoch seconds (Feast 0.67); ISO text from older writers
+            return rec[EMBEDDING], rec.get(MODEL_VERSION), (float(ts) if isinstance(ts, (int, float)) else
+                                                            pd.Timestamp(ts, tz="UTC").timestamp())
+
+        ukey = ff.entity_key({"user_id": user})
+        pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),
+                                                      "item_id": items})]
+        pr = rows(self.views["pair_embeddings"], pkeys)
+        return [triple(rows(self.views["user_aggregates"], [ukey]).get(ukey)),
+                triple(rows(self.views["neighbours"], [ukey]).get(ukey)), *[triple(pr.get(k)) for k in pkeys]]
+
+    def read(self, user_id: int, item_ids, now) -> Features:
+        """Features for one request. ``now``: the request time (pd.Timestamp-able, or epoch seconds)."""
+        t0 = time.perf_counter()
+        items = np.asarray(item_ids, np.int64)
+        n = len(items)
+        now_s = epoch_seconds(now)
+        emb = np.zeros((n, self.dim), np.float32)
+        tiers = np.full(n, T_NONE, np.int64)
+        ages = np.full(n, np.nan)
+        c = self.metrics.counts
+        c["requests"] += 1
+        c["rows"] += n
+        failed = False
+        if time.monotonic() < self._down_until:
+            c["fail_open_cooldown"] += 1
+            failed = True
+        else:
+            try:
+                raw = (self._read_redis if self.cfg.kind == "redis" else self._read_sqlite)(int(user_id), items)
+                if (time.perf_counter() - t0) * 1000 > self.budget_ms:
+                    c["over_budget"] += 1
+                self._resolve(raw, now_s, emb, tiers, ages)
+            except Exception as e:
+                failed = True
+                emb[:], tiers[:], ages[:] = 0.0, T_NONE, np.nan        # nothing half-resolved is served
+                c["fail_open"] += 1
+                self._down_until = time.monotonic() + self.cooldown_s
+                self._reset()
+                logger.warning("feature read failed open (tier none for %d rows; store skipped for %.1fs): %r",
+                               n, self.cooldown_s, e)
+        for t in range(len(TIERS)):
+            c[f"tier_{TIERS[t]}"] += int((tiers == t).sum())
+        if self.misses is not None and n:
+            missed = items[tiers != T_PAIR]
+            if len(missed):
+                self.misses.put(int(user_id), missed, int(now_s * 1000))
+        ms = (time.perf_counter() - t0) * 1000
+        self.metrics.latencies_ms.append(ms)
+        return Features(emb, tiers, ms, failed, ages)
+
+    def _check(self, row, ttl_s: float, now_s: float):
+        """The embedding bytes if the row is servable, else a code (missing, other version, future, stale)."""
+        if row is None or row[2] is None:
+            return MISSING
+        if row[1] != self._version_value:
+            return OTHER_VERSION
+        age = now_s - row[2]
+        if age < 0:
+            return FUTURE
+        return STALE if age > ttl_s else row[0]
+
+    def _resolve(self, raw: list, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray) -> None:
+        c = self.metrics.counts
+        fallback = None
+        for tier, row, ttl_s in ((T_AGG, raw[0], self._ttl["user_aggregates"]),
+                                 (T_NB, raw[1], self._ttl["neighbours"])):
+            r = self._check(row, ttl_s, now_s)
+            if isinstance(r, bytes):
+                vec, ok = ff.parse_float_lists([r], self.dim)
+                if ok[0]:
+                    fallback = (tier, vec[0], now_s - row[2])
+                    break
+                c["bad_width"] += 1
+            else:
+                c[f"{TIERS[tier]}_{CODE_NAMES[r]}"] += 1
+        pair_ttl = self._ttl["pair_embeddings"]
+        vals = []
+        for j, row in enumerate(raw[2:]):
+            r = self._check(row, pair_ttl, now_s)
+            if isinstance(r, bytes):
+                vals.append(r)
+                ages[j] = now_s - row[2]
+            else:
+                vals.append(None)
+                c[f"pair_{CODE_NAMES[r]}"] += 1
+        m, ok = ff.parse_float_lists(vals, self.dim)
+        c["bad_width"] += sum(1 for v, good in zip(vals, ok) if v is not None and not good)
+        emb[ok] = m[ok]
+        tiers[ok] = T_PAIR
+        ages[~ok] = np.nan
+        if fallback is not None:
+            emb[~ok] = fallback[1]
+            tiers[~ok] = fallback[0]
+            ages[~ok] = fallback[2]
+
+    def _reset(self) -> None:
+        """Drops connections after a failure (a reply may be outstanding); the next read reconnects."""
+        for conn in (self._conn, self._client, self._sqlite):
+            try:
+                if conn is not None:
+                    conn.disconnect() if conn is self._conn else conn.close()
+            except Exception:
+                pass
+        self._conn = self._client = self._sqlite = None
+
+    def close(self) -> None:
+        if self.misses is not None:
+            self.misses.close()
+        self._reset()

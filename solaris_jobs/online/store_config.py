@@ -1,0 +1,116 @@
+"""Where the online store is: read from the Feast repo's ``feature_store.yaml``, the same file the Feast SDK reads,
+so that `feast apply`, our materializer, the serving client and a ranker using the Feast SDK agree.
+
+The yaml is ``$FEAST_FS_YAML_FILE_PATH`` when set (Feast's own switch), else ``<repo>/feature_store.yaml``; the
+repo is the one given, else ``settings.feature_repo()`` (the environment's, or this project's ``feature_repo/``). ``${VARS}`` in the file are expanded from
+the environment, as Feast does. Supported online stores: ``sqlite`` (path relative to the repo) and ``redis``
+(``redis_type`` redis or redis_cluster; ``connection_string`` as Feast parses it: ``host:port[,host:port],
+password=...,ssl=true,db=0``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from solaris_jobs.core import settings
+
+DEFAULT_REPO = settings.PROJECT_ROOT / "feature_repo"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    kind: str                                  # "sqlite" or "redis"
+    project: str
+    repo: Path
+    yaml_path: Path
+    sqlite_path: Path | None = None
+    redis_type: str = "redis"                  # redis | redis_cluster
+    nodes: tuple[tuple[str, int], ...] = ()
+    redis_params: dict = field(default_factory=dict)   # password, ssl, db, ... (redis-py keyword arguments)
+
+    def describe(self) -> str:
+        if self.kind == "sqlite":
+            return f"sqlite:{self.sqlite_path}"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.nodes)
+        return f"{self.redis_type}://{hosts}" + (" (tls)" if self.redis_params.get("ssl") else "")
+
+
+def parse_connection_string(s: str) -> tuple[list[tuple[str, int]], dict]:
+    """Feast's Redis connection string: ``host:port`` entries and ``key=value`` parameters (JSON-decoded)."""
+    nodes, params = [], {}
+    for part in (p.strip() for p in s.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            k, v = part.split("=", 1)
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                pass
+            params[k] = v
+        else:
+            host, _, port = part.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis connection string {s!r}: {part!r} is not host:port")
+            nodes.append((host, int(port)))
+    if not nodes:
+        raise ValueError(f"redis connection string {s!r} names no host:port")
+    return nodes, params
+
+
+def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None) -> StoreConfig:
+    import yaml
+    repo = settings.feature_repo(repo)
+    if yaml_path is None:
+        yaml_path = os.environ.get("FEAST_FS_YAML_FILE_PATH") or repo / "feature_store.yaml"
+    yaml_path = Path(yaml_path)
+    if not yaml_path.is_absolute() and not yaml_path.exists():
+        yaml_path = repo / yaml_path
+    if not yaml_path.exists():
+        raise FileNotFoundError(f"{yaml_path}: no feature_store.yaml (set {settings.env_var('feature_repo')} or "
+                                f"FEAST_FS_YAML_FILE_PATH)")
+    text = os.path.expandvars(yaml_path.read_text())
+    raw = yaml.safe_load(text) or {}
+    project = raw.get("project")
+    if not project:
+        raise ValueError(f"{yaml_path}: no project")
+    if int(raw.get("entity_key_serialization_version", 3)) != 3:
+        raise ValueError(f"{yaml_path}: entity_key_serialization_version must be 3 (the only one Feast 0.67 writes)")
+    online = raw.get("online_store") or {"type": "sqlite"}
+    if isinstance(online, str):
+        online = {"type": online}
+    kind = online.get("type", "sqlite")
+    if kind == "sqlite":
+        p = Path(online.get("path", "data/online.db"))
+        return StoreConfig("sqlite", project, repo, yaml_path, sqlite_path=p if p.is_absolute() else repo / p)
+    if kind == "redis":
+        rtype = online.get("redis_type", "redis")
+        if rtype not in ("redis", "redis_cluster"):
+            raise ValueError(f"{yaml_path}: redis_type {rtype!r} is not supported (redis or redis_cluster)")
+        cs = str(online.get("connection_string", "localhost:6379"))
+        if "${" in cs:
+            raise ValueError(f"{yaml_path}: connection_string {cs!r} has an unset environment variable")
+        nodes, params = parse_connection_string(cs)
+        return StoreConfig("redis", project, repo, yaml_path, redis_type=rtype, nodes=tuple(nodes),
+                           redis_params=params)
+    raise ValueError(f"{yaml_path}: online store type {kind!r} is not supported (sqlite or redis)")
+
+
+def redis_client(cfg: StoreConfig, timeout_s: float | None = None, **overrides):
+    """A redis-py client for the configured Redis (standalone or cluster)."""
+    import redis
+    params = {k: v for k, v in cfg.redis_params.items() if k not in ("skip_full_coverage_check",)}
+    params.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **overrides)
+    if "retry" not in overrides:
+        # No silent reconnect-and-retry loops (redis-py's default backs off for seconds): callers decide.
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        params["retry"] = Retry(NoBackoff(), 0)
+    if cfg.redis_type == "redis_cluster":
+        from redis.cluster import ClusterNode, RedisCluster
+        params.pop("db", None)
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in cfg.nodes], **params)
+    host, port = cfg.nodes[0]
+    return redis.Redis(host=host, port=port, **params)

@@ -1,0 +1,63 @@
+"""The online feature views, as plain data: the one description that the Feast repo (``feature_repo/``), the
+fast materializer and the serving client all read, so that names, fields and TTLs cannot drift apart.
+
+TTLs come from the environment (``solaris_jobs.core.settings.view_ttl``: 4 h for pairs, 24 h for the user views by
+default; any pandas Timedelta string); ``feast apply``, materialization and serving must see the same values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+PROJECT = "solaris"
+FEATURE_SERVICE = "solaris_v1"     # bump the suffix when a view's schema changes
+
+# feature kinds: float_list (the embedding width is not part of the schema), string, int32, int64_list
+EMBEDDING = "embedding"
+MODEL_VERSION = "model_version"
+
+
+@dataclass(frozen=True)
+class View:
+    name: str                           # Feast feature view name = offline dataset name
+    join_keys: tuple[str, ...]
+    features: tuple[tuple[str, str], ...]   # (column, kind)
+    ttl: pd.Timedelta
+    tier: str                           # the serving tier it feeds (solaris_jobs.core.contract.TIERS)
+    description: str
+
+    @property
+    def columns(self) -> list[str]:
+        return [c for c, _ in self.features]
+
+
+def ttl(name: str, env=None) -> pd.Timedelta:
+    from solaris_jobs.core.settings import view_ttl
+    var, raw = view_ttl(name, env)
+    try:
+        value = pd.Timedelta(raw)
+    except ValueError as e:
+        raise ValueError(f"{var}={raw!r}: not a duration (e.g. 4h, 90min, 1d)") from e
+    if value <= pd.Timedelta(0):
+        raise ValueError(f"{var}={raw!r}: a TTL must be positive")
+    return value
+
+
+def views(env=None) -> dict[str, View]:
+    """The three views, keyed by name, in serving-tier order."""
+    return {v.name: v for v in (
+        View("pair_embeddings", ("user_id", "item_id"),
+             ((EMBEDDING, "float_list"), (MODEL_VERSION, "string")),
+             ttl("pair_embeddings", env), "pair",
+             "FM interaction embedding of a (user, item) pair, through the autoencoder (D floats)."),
+        View("user_aggregates", ("user_id",),
+             ((EMBEDDING, "float_list"), ("n_pairs", "int32"), (MODEL_VERSION, "string")),
+             ttl("user_aggregates", env), "user_aggregate",
+             "Mean of the user's pair embeddings of the trailing window; the fallback for unseen pairs."),
+        View("neighbours", ("user_id",),
+             ((EMBEDDING, "float_list"), ("n_neighbours", "int32"), ("neighbour_ids", "int64_list"),
+              ("similarities", "float_list"), (MODEL_VERSION, "string")),
+             ttl("neighbours", env), "neighbour",
+             "Similarity-weighted mean of the user's nearest neighbours' aggregates (FM user embeddings, FAISS)."),
+    )}

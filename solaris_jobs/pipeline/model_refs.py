@@ -1,0 +1,132 @@
+"""Versioned model references: a run resolves its models once (following links such as ``<registry>/current`` to
+the version folder they point at, reading each checkpoint's version and config), checks that they belong
+together, and hands executors references that say which version to load. An executor that finds another version
+at the path (the file was replaced during the run) fails the task instead of stamping one version on another's
+output.
+
+Checks at resolution: the autoencoder was trained on this FM; the history length the run asks for is the FM's.
+The embedding version a run stamps is ``<fm version>+<ae version>``: a code means nothing without both.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from solaris_jobs.core.contract import embedding_version
+
+_LOADED: dict = {}         # per Python worker: (path, version, device) -> (model, meta, device)
+KINDS = ("fm", "ae", "vm")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    kind: str
+    path: str                   # resolved (no links), absolute
+    version: str
+    config: dict
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    """The models one run uses (those it needs; others None)."""
+    fm: ModelRef | None = None
+    ae: ModelRef | None = None
+    vm: ModelRef | None = None
+
+    @property
+    def embedding_version(self) -> str:
+        if self.fm is None or self.ae is None:
+            raise ValueError("no FM and autoencoder in this model set")
+        return embedding_version(self.fm.version, self.ae.version)
+
+    @property
+    def history_len(self) -> int:
+        if self.fm is None:
+            raise ValueError("no FM in this model set")
+        return int(self.fm.config["history_len"])
+
+    def check_history_len(self, history_len: int | None) -> int:
+        """The FM's history length; raises ValueError if ``history_len`` (None: take the FM's) is another."""
+        if history_len is not None and history_len != self.history_len:
+            raise ValueError(f"history_len {history_len} is not the FM's ({self.history_len}, {self.fm.path}): "
+                             f"leave it unset or set it to the FM's")
+        return self.history_len
+
+    def to_dict(self) -> dict:
+        return {k: asdict(v) for k, v in (("fm", self.fm), ("ae", self.ae), ("vm", self.vm)) if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelSet":
+        return cls(**{k: ModelRef(**v) for k, v in d.items()})
+
+
+def resolve_device(name: str = "auto"):
+    import torch
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def check_ae_of_fm(fm_meta: dict, ae_meta: dict, fm_path, ae_path) -> None:
+    """Raises ValueError unless the autoencoder was trained on this FM (its checkpoint records the FM version)."""
+    trained_on = ae_meta.get("extra", {}).get("fm_version")
+    if trained_on != fm_meta["model_version"]:
+        raise ValueError(f"{ae_path} was trained on FM {trained_on}, not on {fm_meta['model_version']} ({fm_path}): "
+                         f"retrain it, or point the models folder at a matching pair")
+
+
+def _ref(folder: Path, kind: str) -> tuple[ModelRef, dict]:
+    from models import load_checkpoint
+    path = folder / f"{kind}.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no {kind.upper()} checkpoint (train one with `solaris train {kind}`)")
+    _, meta = load_checkpoint(path, kind=kind)
+    return ModelRef(kind, str(path), meta["model_version"], dict(meta["config"])), meta
+
+
+def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = None) -> ModelSet:
+    """Resolves the checkpoints of ``kinds`` in the folder ``models`` once, and checks them.
+
+    Args:
+        models: folder with fm.pt, ae.pt, vm.pt (links are followed now, once).
+        history_len: the run's FM history length (None: the FM's).
+
+    Raises:
+        FileNotFoundError: a checkpoint is missing.
+        ValueError: the autoencoder was trained on another FM, or ``history_len`` is not the FM's.
+    """
+    folder = Path(str(models).removeprefix("file://")).resolve()
+    refs, metas = {}, {}
+    for kind in kinds:
+        refs[kind], metas[kind] = _ref(folder, kind)
+    if "ae" in refs and "fm" in refs:
+        check_ae_of_fm(metas["fm"], metas["ae"], refs["fm"].path, refs["ae"].path)
+    out = ModelSet(**refs)
+    if out.fm is not None:
+        out.check_history_len(history_len)
+    return out
+
+
+def load(ref: ModelRef, device: str = "auto", threads: int = 1):
+    """The model of ``ref``, loaded once per Python worker, after checking that the file still holds that version.
+
+    Returns:
+        (model in eval mode on the device, checkpoint meta, torch device).
+
+    Raises:
+        RuntimeError: the file now holds another version than the run resolved.
+    """
+    key = (ref.path, ref.version, device)
+    if key not in _LOADED:
+        import torch
+
+        from models import load_checkpoint
+        torch.set_num_threads(threads)
+        dev = resolve_device(device)
+        model, meta = load_checkpoint(ref.path, map_location=dev, kind=ref.kind)
+        if meta["model_version"] != ref.version:
+            raise RuntimeError(f"{ref.path} now holds {meta['model_version']}, not {ref.version} that this run "
+                               f"resolved and stamps: the file was replaced during the run; rerun the interval")
+        _LOADED[key] = (model.to(dev), meta, dev)
+    return _LOADED[key]

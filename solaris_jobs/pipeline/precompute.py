@@ -1,0 +1,515 @@
+"""Speculative precomputation as Spark transforms: candidates, verifier, negative exclusion, selection, FM
+inference, user aggregates and neighbour embeddings.
+
+Every transform takes DataFrames and scalars (never a session or a path) so that it is testable on a few rows;
+the jobs in ``solaris_jobs.pipeline.jobs`` do the reading and writing. Time: a run prepares interval ``[start, end)``
+after it closes; T = ``end`` is the cutoff. Everything is computed from events with ``event_timestamp < T``
+(and ``>= T - lookback_days`` where a bound is set); embeddings are stamped with T.
+
+Model scoring runs on executors with ``mapInPandas``: each Python worker loads a checkpoint once (the version the
+run resolved, checked: ``solaris_jobs.pipeline.model_refs``) and scores Arrow batches; nothing is collected to the driver except the FAISS step in
+``solaris_jobs.pipeline.knn``.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pandas as pd
+
+from solaris_jobs.core.settings import PrecomputeConfig, SimulatorConfig
+from solaris_jobs.pipeline.model_refs import ModelRef, ModelSet, load
+
+logger = logging.getLogger(__name__)
+
+# Why an FM output is set aside instead of written (embed counts them per reason in its stats).
+NONFINITE_REASONS = ("FM output is not finite", "autoencoder code is not finite")
+NONFINITE_USER = "FM user embedding is not finite"
+
+
+# ----------------------------------------------------------------------------------------------- events
+
+def split_bad_events(events):
+    """Splits events into (good, bad); bad rows get a ``reason`` (null or non-positive id, null time, label
+    other than 0/1/null). Logs written by SOLARIS never have them; logs written by other pipelines may."""
+    from pyspark.sql import functions as F
+
+    from solaris_jobs.core.events import BAD_EVENT_REASONS as R
+    reason = (F.when(F.col("user_id").isNull() | (F.col("user_id") <= 0), F.lit(R[0]))
+              .when(F.col("item_id").isNull() | (F.col("item_id") <= 0), F.lit(R[1]))
+              .when(F.col("event_timestamp").isNull(), F.lit(R[2]))
+              .when(F.col("label").isNotNull() & ~F.col("label").isin(0, 1), F.lit(R[3])))
+    marked = events.withColumn("reason", reason)
+    return marked.where(F.col("reason").isNull()).drop("reason"), marked.where(F.col("reason").isNotNull())
+
+
+def prior_events(events, cutoff, lookback_days: float | None):
+    """Valid events strictly before ``cutoff`` (and not older than ``lookback_days``); see
+    ``split_bad_events`` for what is set aside (the selection job counts and writes those)."""
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    out = split_bad_events(events)[0].where(F.col("event_timestamp") < F.lit(t))
+    if lookback_days is not None:
+        out = out.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(days=lookback_days).to_pytimedelta()))
+    return out
+
+
+def active_users(prior, cutoff, hours: float, misses=None):
+    """Users with an event in ``[cutoff - hours, cutoff)``, plus users of recorded misses."""
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    users = prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=hours).to_pytimedelta())) \
+        .select("user_id")
+    if misses is not None:
+        users = users.unionByName(misses.select("user_id"))
+    return users.distinct()
+
+
+# ----------------------------------------------------------------------------------------------- candidates
+
+def popular_items(prior, cutoff, cfg: SimulatorConfig):
+    """The ``n_candidates`` most popular items (small: one row per item), as ``RequestSimulator.popular``."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    recent = prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=cfg.popularity_hours)
+                                                           .to_pytimedelta()))
+    counts = recent.groupBy("item_id").count().withColumn("tier", F.lit(0)).unionByName(
+        prior.groupBy("item_id").count().withColumn("tier", F.lit(1)))
+    first = Window.partitionBy("item_id").orderBy("tier")
+    order = Window.orderBy("tier", F.desc("count"), "item_id")
+    return (counts.withColumn("k", F.row_number().over(first)).where("k = 1")
+            .withColumn("rank", F.row_number().over(order) - 1).where(F.col("rank") < cfg.n_candidates)
+            .select("item_id", "rank"))
+
+
+def covisitation(prior, cfg: SimulatorConfig):
+    """Top ``covisit_top`` co-visited items per seed item (pairs within ``covisit_window`` positions)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("user_id").orderBy("event_timestamp", "item_id")
+    lags = F.array(*[F.lag("item_id", lag).over(w) for lag in range(1, cfg.covisit_window + 1)])
+    p = (prior.select("item_id", lags.alias("prevs")).select("item_id", F.explode("prevs").alias("prev"))
+         .where(F.col("prev").isNotNull() & (F.col("prev") != F.col("item_id"))))
+    pairs = p.select(F.col("item_id").alias("seed"), F.col("prev").alias("item_id")).unionByName(
+        p.select(F.col("prev").alias("seed"), "item_id"))
+    top = Window.partitionBy("seed").orderBy(F.desc("count"), "item_id")
+    return (pairs.groupBy("seed", "item_id").count().withColumn("k", F.row_number().over(top))
+            .where(F.col("k") <= cfg.covisit_top).drop("k"))
+
+
+def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig):
+    """The request simulator in Spark: for each user, what ``RequestSimulator(prior, cutoff).candidates`` gives.
+
+    Returns:
+        (user_id, item_id, source, retrieval_score), at most ``n_candidates`` distinct items per user.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    last = prior.groupBy("user_id", "item_id").agg(F.max("event_timestamp").alias("ts"))
+    seeds = (last.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
+                                                      .orderBy(F.desc("ts"), F.desc("item_id"))))
+             .where(F.col("k") <= cfg.history_items).select("user_id", F.col("item_id").alias("seed"))
+             .join(users, "user_id"))
+    cov = (seeds.join(covisitation(prior, cfg), "seed").groupBy("user_id", "item_id")
+           .agg(F.sum("count").alias("count")))
+    cov = (cov.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
+                                                   .orderBy(F.desc("count"), "item_id")))
+           .where(F.col("k") <= cfg.n_candidates - cfg.n_popular)
+           .select("user_id", "item_id", F.lit(0).alias("_tier"), F.col("k").alias("_order"),
+                   F.lit("covisit").alias("source"),
+                   F.log1p(F.col("count").cast("double")).cast("float").alias("retrieval_score")))
+    # The popular items fill each set up to n_candidates, skipping items co-visitation already gave: one union
+    # ordered (co-visitation by count, then popularity rank), a pair kept once (its co-visitation row first).
+    pop = popular_items(prior, cutoff, cfg)                       # at most n_candidates rows
+    pop = pop.withColumn("n_pop", F.count("*").over(Window.partitionBy()))
+    fill = (users.crossJoin(F.broadcast(pop))
+            .select("user_id", "item_id", F.lit(1).alias("_tier"), F.col("rank").alias("_order"),
+                    F.lit("popular").alias("source"),
+                    (-F.col("rank") / F.col("n_pop")).cast("float").alias("retrieval_score")))
+    both = cov.unionByName(fill)
+    once = Window.partitionBy("user_id", "item_id").orderBy("_tier", "_order")
+    by_user = Window.partitionBy("user_id").orderBy("_tier", "_order", "item_id")
+    return (both.withColumn("_d", F.row_number().over(once)).where("_d = 1")
+            .withColumn("_k", F.row_number().over(by_user)).where(F.col("_k") <= cfg.n_candidates)
+            .select("user_id", "item_id", "source", "retrieval_score"))
+
+
+# ----------------------------------------------------------------------------------------------- counters
+
+def counters(prior):
+    """Per-user and per-item (events, labelled events, positives) before T: the VM's and FM's counters."""
+    from pyspark.sql import functions as F
+
+    def agg(key, prefix):
+        return prior.groupBy(key).agg(F.count("*").cast("float").alias(f"{prefix}_cnt"),
+                                      F.count("label").cast("float").alias(f"{prefix}_known"),
+                                      F.sum(F.when(F.col("label") == 1, 1).otherwise(0)).cast("float")
+                                      .alias(f"{prefix}_pos"))
+    return agg("user_id", "user"), agg("item_id", "item")
+
+
+def with_counters(pairs, user_counts, item_counts):
+    zero = {f"{p}_{k}": 0.0 for p in ("user", "item") for k in ("cnt", "known", "pos")}
+    return pairs.join(user_counts, "user_id", "left").join(item_counts, "item_id", "left").fillna(zero)
+
+
+COUNTER_COLS = [f"{p}_{k}" for p in ("user", "item") for k in ("cnt", "known", "pos")]
+
+
+# ----------------------------------------------------------------------------------------------- models on executors
+
+def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
+    """Adds ``vm_score`` (the verifier: the current VM without FM features) to pairs with counter columns."""
+    from pyspark.sql.types import FloatType, StructField, StructType
+
+    schema = StructType(list(pairs.schema.fields) + [StructField("vm_score", FloatType())])
+    batch_size, device, threads = cfg.batch_size, cfg.device, cfg.torch_threads
+
+    def score(frames):
+        import torch
+
+        from models import batch_to_tensors
+        model, _, dev = load(vm, device, threads)
+        for pdf in frames:
+            scores = np.empty(len(pdf), np.float32)
+            for s in range(0, len(pdf), batch_size):
+                part = pdf.iloc[s: s + batch_size]
+                b = {"user": part["user_id"].to_numpy(), "item": part["item_id"].to_numpy(),
+                     **{c: part[c].to_numpy(np.float32) for c in COUNTER_COLS}}
+                with torch.inference_mode():
+                    scores[s: s + len(part)] = torch.sigmoid(model(batch_to_tensors(b, dev))["logit"]).cpu().numpy()
+            yield pdf.assign(vm_score=scores)
+
+    return pairs.mapInPandas(score, schema)
+
+
+# ----------------------------------------------------------------------------------------------- exclusion, selection
+
+def exclude_negatives(scored_pairs, past_bottoms, runs: int):
+    """Negative exclusion filtering: drops pairs that were in their user's bottom share in each of the last
+    ``runs`` runs.
+
+    Args:
+        scored_pairs: candidate pairs of this run (before scoring).
+        past_bottoms: (run, user_id, item_id) of the bottom pairs of the last ``runs`` runs (None: no history).
+        runs: K; 0 disables.
+
+    Returns:
+        (kept pairs, excluded pairs (user_id, item_id)).
+    """
+    from pyspark.sql import functions as F
+    if not runs or past_bottoms is None:
+        return scored_pairs, scored_pairs.limit(0).select("user_id", "item_id")
+    always = (past_bottoms.groupBy("user_id", "item_id").agg(F.countDistinct("run").alias("n"))
+              .where(F.col("n") >= runs).select("user_id", "item_id"))
+    excluded = scored_pairs.join(always, ["user_id", "item_id"], "left_semi").select("user_id", "item_id")
+    return scored_pairs.join(always, ["user_id", "item_id"], "left_anti"), excluded
+
+
+def select_pairs(scored, share: float, scope: str, bottom_share: float, considered=None):
+    """Marks the pairs sent to the FM (``selected``) and those in the user's bottom share (``bottom``).
+
+    The FM budget is a share of the pairs *considered*, so negative exclusion saves verifier work without
+    shrinking the FM's: per user, the top ``ceil(share * n)`` scored pairs (at least one), n = the user's
+    candidates before exclusion (``considered``: (user_id, n_considered); None = the scored ones). Global: the
+    ``share * considered / scored`` top quantile of all scores. ``bottom``: the lowest ``bottom_share`` of the
+    user's scored pairs. Ties break by item id.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    by_user = Window.partitionBy("user_id")
+    ranked = (scored.withColumn("n", F.count("*").over(by_user))
+              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
+    ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    if considered is not None:
+        ranked = ranked.join(considered, "user_id", "left") \
+            .withColumn("n_budget", F.coalesce(F.col("n_considered"), F.col("n"))).drop("n_considered")
+    else:
+        ranked = ranked.withColumn("n_budget", F.col("n"))
+    if scope == "user":
+        sel = F.col("rank") <= F.greatest(F.lit(1), F.ceil(F.col("n_budget") * F.lit(share)))
+    else:
+        q = share
+        if considered is not None:
+            n_scored = scored.count()
+            n_total = considered.agg(F.sum("n_considered")).first()[0] or 0
+            q = min(1.0, share * n_total / n_scored) if n_scored else share
+        threshold = scored.approxQuantile("vm_score", [1.0 - q], 1e-4)
+        sel = F.col("vm_score") >= F.lit(threshold[0] if threshold else 0.0)
+    return ranked.withColumn("selected", sel).drop("n", "n_budget")
+
+
+def recent_pairs(prior, cutoff, hours: float):
+    """Pairs ranked for their user in ``[cutoff - hours, cutoff)``: (user_id, item_id, last_seen), the time of the
+    pair's latest ranking. A user's rankings stay stable over short periods, so these come back soon."""
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    return (prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=hours).to_pytimedelta()))
+            .groupBy("user_id", "item_id").agg(F.max("event_timestamp").alias("last_seen")))
+
+
+# Which source names a pair found by several: the strongest evidence that it will be ranked soon first.
+POOL_SOURCES = ("recent", "miss", "covisit", "popular")
+
+
+def candidate_pool(simulated, recent=None, misses=None):
+    """One candidate pool: the request simulator's candidates, recently ranked pairs and missed pairs, one row per
+    pair with the ``source`` that found it first in ``POOL_SOURCES`` order, its retrieval score (simulator
+    candidates; null otherwise) and ``last_seen`` (latest ranking or miss; null for pairs never ranked).
+
+    Args:
+        simulated: (user_id, item_id, source, retrieval_score) from ``candidate_pairs``.
+        recent: (user_id, item_id, last_seen) from ``recent_pairs``, or None.
+        misses: (user_id, item_id, missed_at), or None.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    parts = [simulated.withColumn("last_seen", F.lit(None).cast("timestamp"))]
+    if recent is not None:
+        parts.append(recent.select("user_id", "item_id", F.lit("recent").alias("source"),
+                                   F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
+    if misses is not None:
+        parts.append(misses.groupBy("user_id", "item_id").agg(F.max("missed_at").alias("last_seen"))
+                     .select("user_id", "item_id", F.lit("miss").alias("source"),
+                             F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
+    pool = parts[0]
+    for p in parts[1:]:
+        pool = pool.unionByName(p)
+    order = F.array_position(F.array(*[F.lit(x) for x in POOL_SOURCES]), F.col("source"))
+    w = Window.partitionBy("user_id", "item_id")
+    return (pool.withColumn("_o", order)
+            .withColumn("last_seen", F.max("last_seen").over(w))
+            .withColumn("retrieval_score", F.max("retrieval_score").over(w))
+            .withColumn("_k", F.row_number().over(w.orderBy("_o")))
+            .where("_k = 1").drop("_o", "_k"))
+
+
+def budget_pairs(prior, start, cutoff, budget_per_row: float, window_hours: float) -> tuple[int, float]:
+    """The FM budget of the interval ``[start, cutoff)``: ``ceil(budget_per_row x`` expected rows), the expected rows
+    being the log's rows per interval length over ``[cutoff - window_hours, cutoff)``.
+
+    Returns:
+        (pairs, expected rows).
+    """
+    import math
+
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    window = pd.Timedelta(hours=window_hours)
+    rows = prior.where(F.col("event_timestamp") >= F.lit(t - window.to_pytimedelta())).count()
+    expected = rows * (pd.Timestamp(cutoff) - pd.Timestamp(start)) / window
+    return int(math.ceil(budget_per_row * expected)), float(expected)
+
+
+def select_budget(scored, n_pairs: int, priority: str, bottom_share: float):
+    """Budgeted selection: one global ranking of the whole pool, the top ``n_pairs`` selected.
+
+    ``priority``: ``verifier`` (by the verifier's score) or ``recency`` (most recently ranked or missed first, then
+    the verifier's score; pairs never ranked last). Ties break by user and item id. Adds ``priority_rank`` (1 = first
+    in line for the FM), ``rank`` and ``bottom`` within the user (as ``select_pairs``) and ``selected``.
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    by_user = Window.partitionBy("user_id")
+    ranked = (scored.withColumn("n", F.count("*").over(by_user))
+              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
+    ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    keys = [F.desc_nulls_last("last_seen")] if priority == "recency" else []
+    keys += [F.desc("vm_score"), "user_id", "item_id"]
+    ranked = ranked.withColumn("priority_rank", F.row_number().over(Window.orderBy(*keys)))
+    return ranked.withColumn("selected", F.col("priority_rank") <= F.lit(n_pairs)).drop("n")
+
+
+def force_misses(selection, misses):
+    """Adds missed pairs (user_id, item_id) to the selection as ``source = 'miss'``, selected."""
+    from pyspark.sql import functions as F
+    if misses is None:
+        return selection
+    extra = (misses.select("user_id", "item_id").distinct()
+             .join(selection.where("selected").select("user_id", "item_id"), ["user_id", "item_id"], "left_anti"))
+    base = selection.join(extra, ["user_id", "item_id"], "left_anti")
+    forced = extra.join(selection.drop("selected"), ["user_id", "item_id"], "left")
+    forced = (forced.withColumn("source", F.lit("miss")).withColumn("selected", F.lit(True))
+              .withColumn("bottom", F.coalesce(F.col("bottom"), F.lit(False))))
+    return base.unionByName(forced, allowMissingColumns=True)
+
+
+# ----------------------------------------------------------------------------------------------- FM inference
+
+def user_histories(prior, history_len: int):
+    """Each user's last ``history_len`` events before T as parallel arrays sorted by time (oldest first)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("user_id").orderBy(F.desc("event_timestamp"), F.desc("item_id"), F.desc("label"),
+                                              F.desc("rating"))
+    last = prior.withColumn("k", F.row_number().over(w)).where(F.col("k") <= history_len)
+    rows = F.sort_array(F.collect_list(F.struct(
+        F.unix_micros("event_timestamp").alias("ts"), F.col("item_id").alias("item"),
+        F.coalesce(F.col("label").cast("int"), F.lit(-1)).alias("label"),
+        F.coalesce(F.col("rating").cast("int"), F.lit(0)).alias("rating"))))
+    return last.groupBy("user_id").agg(rows.alias("h")).select(
+        "user_id", *[F.col("h")[f].alias(f"hist_{f}") for f in ("ts", "item", "label", "rating")])
+
+
+HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
+
+
+def _examples(pdf: pd.DataFrame, at_us: int, history_len: int):
+    from solaris_jobs.core.model_inputs import history_examples
+    first = pdf.drop_duplicates("user_id")
+    lens = np.array([0 if h is None else len(h) for h in first["hist_item"]], dtype=np.int64)
+
+    def flat(col, dtype):
+        parts = [np.asarray(h, dtype) for h in first[col] if h is not None and len(h)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+    return history_examples(pdf["user_id"].to_numpy(), pdf["item_id"].to_numpy() if "item_id" in pdf else
+                            np.zeros(len(pdf), np.int64), at_us,
+                            np.repeat(first["user_id"].to_numpy(), lens), flat("hist_item", np.int64),
+                            flat("hist_ts", np.int64), flat("hist_label", np.int64), flat("hist_rating", np.int64),
+                            history_len)
+
+
+def _nonfinite(*finite) -> np.ndarray:
+    """Per row, the index of the first of the (N,) "row is finite" masks that is False, else -1."""
+    out = np.full(len(finite[0]), -1, np.int64)
+    for k, ok in reversed(list(enumerate(finite))):
+        out[~np.asarray(ok)] = k
+    return out
+
+
+def embed_pairs(pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
+    """Pair embeddings: FM interaction embedding -> autoencoder code, in the pair-embedding contract.
+
+    Args:
+        pairs: (user_id, item_id, counter columns, history arrays) — see ``with_counters`` and
+            ``user_histories``.
+        models: the run's FM and autoencoder; their ``embedding_version`` is written with each row.
+        cfg: ``history_len`` must be the FM's (``model_refs.resolve`` checks it).
+
+    Returns:
+        (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version, reject_reason): the
+        reason (``NONFINITE_REASONS``) is null for rows in the contract; the job writes the others aside.
+    """
+    from pyspark.sql.types import (ArrayType, FloatType, LongType, StringType, StructField, StructType,
+                                   TimestampType)
+    schema = StructType([StructField("user_id", LongType()), StructField("item_id", LongType()),
+                         StructField("embedding", ArrayType(FloatType())),
+                         StructField("event_timestamp", TimestampType()), StructField("model_version", StringType()),
+                         StructField("reject_reason", StringType())])
+    at = pd.Timestamp(cutoff)
+    at_us = at.value // 1000
+    batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    fm_ref, ae_ref, version = models.fm, models.ae, models.embedding_version
+    reasons = np.array([*NONFINITE_REASONS, None], dtype=object)
+
+    def embed(frames):
+        import torch
+
+        from models import batch_to_tensors
+        fm, _, dev = load(fm_ref, device, threads)
+        ae, _, _ = load(ae_ref, device, threads)
+        for pdf in frames:
+            for s in range(0, len(pdf), batch_size):
+                part = pdf.iloc[s: s + batch_size]
+                ex = _examples(part, at_us, L)
+                b = ex.batch(np.arange(len(part)))
+                b.update({c: part[c].to_numpy(np.float32) for c in COUNTER_COLS})
+                with torch.inference_mode():
+                    h = fm(batch_to_tensors(b, dev))["h"]
+                    code = ae.encode(h)
+                    finite = (torch.isfinite(h).all(1).cpu().numpy(), torch.isfinite(code).all(1).cpu().numpy())
+                    code = code.float().cpu().numpy()
+                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "item_id": part["item_id"].to_numpy(),
+                                    "embedding": list(code), "event_timestamp": at, "model_version": version,
+                                    "reject_reason": reasons[_nonfinite(*finite)]})
+
+    return pairs.mapInPandas(embed, schema)
+
+
+def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig):
+    """FM user-level embeddings (no target) for (user_id, history arrays): (user_id, vector array<float>,
+    reject_reason), the reason ``NONFINITE_USER`` for vectors with a NaN or infinity (else null)."""
+    from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
+    schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType())),
+                         StructField("reject_reason", StringType())])
+    at_us = pd.Timestamp(cutoff).value // 1000
+    batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    reasons = np.array([NONFINITE_USER, None], dtype=object)
+
+    def embed(frames):
+        import torch
+
+        from models import batch_to_tensors
+        model, _, dev = load(fm, device, threads)
+        for pdf in frames:
+            for s in range(0, len(pdf), batch_size):
+                part = pdf.iloc[s: s + batch_size]
+                b = _examples(part, at_us, L).batch(np.arange(len(part)))
+                with torch.inference_mode():
+                    vec = model.user_embedding(batch_to_tensors(b, dev)).float().cpu().numpy()
+                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "vector": list(vec),
+                                    "reject_reason": reasons[_nonfinite(np.isfinite(vec).all(1))]})
+
+    return users_with_history.mapInPandas(embed, schema)
+
+
+# ----------------------------------------------------------------------------------------------- aggregates
+
+def mean_embedding(df, key: str, weight: str | None = None):
+    """Per ``key``, the (weighted) element-wise mean of ``embedding`` arrays: (key, embedding, n)."""
+    from pyspark.sql import functions as F
+    w = F.col(weight) if weight else F.lit(1.0)
+    exploded = df.select(key, w.alias("_w"), F.posexplode("embedding").alias("pos", "v"))
+    per_pos = (exploded.groupBy(key, "pos")
+               .agg((F.sum(F.col("v") * F.col("_w")) / F.sum("_w")).cast("float").alias("v"),
+                    F.count("*").alias("n")))
+    return per_pos.groupBy(key).agg(
+        F.transform(F.sort_array(F.collect_list(F.struct("pos", "v"))), lambda x: x["v"]).alias("embedding"),
+        F.max("n").alias("n"))
+
+
+def user_aggregates(pair_embeddings, cutoff, hours: float, version: str):
+    """User aggregates: mean of each user's pair embeddings stamped in ``(cutoff - hours, cutoff]``.
+
+    A pair embedded by several runs in the window counts once (its latest embedding). Only ``version`` rows.
+
+    Returns:
+        (user_id, embedding, n_pairs, event_timestamp = cutoff, model_version).
+    """
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    recent = pair_embeddings.where(
+        (F.col("event_timestamp") > F.lit(t - pd.Timedelta(hours=hours).to_pytimedelta()))
+        & (F.col("event_timestamp") <= F.lit(t)) & (F.col("model_version") == version))
+    latest = (recent.withColumn("k", F.row_number().over(Window.partitionBy("user_id", "item_id")
+                                                         .orderBy(F.desc("event_timestamp"))))
+              .where("k = 1"))
+    agg = mean_embedding(latest, "user_id")
+    return agg.select("user_id", "embedding", F.col("n").cast("int").alias("n_pairs"),
+                      F.lit(t).cast("timestamp").alias("event_timestamp"), F.lit(version).alias("model_version"))
+
+
+def neighbour_embeddings(neighbours, aggregates, cutoff, version: str):
+    """Similarity-weighted mean of the neighbours' aggregates.
+
+    Args:
+        neighbours: (user_id, neighbour_ids array<long>, similarities array<float>).
+        aggregates: user aggregates (user_id, embedding, ...), this model version.
+
+    Returns:
+        (user_id, neighbour_ids, similarities, embedding, n_neighbours (those with an aggregate),
+        event_timestamp = cutoff, model_version); users none of whose neighbours has an aggregate get no row.
+    """
+    from pyspark.sql import functions as F
+    t = pd.Timestamp(cutoff).to_pydatetime()
+    pairs = neighbours.select("user_id", F.explode(F.arrays_zip("neighbour_ids", "similarities")).alias("z")) \
+        .select("user_id", F.col("z.neighbour_ids").alias("nb"), F.col("z.similarities").alias("sim")) \
+        .where(F.col("sim") > 0)
+    joined = pairs.join(aggregates.select(F.col("user_id").alias("nb"), "embedding"), "nb")
+    n = joined.groupBy("user_id").agg(F.count("*").cast("int").alias("n_neighbours"))
+    emb = mean_embedding(joined, "user_id", weight="sim").drop("n")
+    return (neighbours.join(emb, "user_id").join(n, "user_id")
+            .withColumn("event_timestamp", F.lit(t).cast("timestamp")).withColumn("model_version", F.lit(version)))

@@ -1,0 +1,100 @@
+"""Spark session and I/O helpers shared by the jobs (``solaris_jobs.pipeline.jobs``) and the tests.
+
+Sessions run in UTC with Arrow transfers on. Their settings (master, driver memory, log level) come from the
+caller, i.e. from ``Settings`` (``jobs.session``); ``master`` None keeps spark-submit's master (or pyspark's default,
+``local[*]``), and ``sc://host:port`` opens a Spark Connect session. Nothing in the jobs needs the JVM gateway
+(``spark._jvm``, ``sparkContext``), so the same code runs on a classic and a Connect session.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None, *,
+                  driver_memory: str | None = None, log_level: str | None = None):
+    """Returns a SparkSession (creating one if needed) configured for SOLARIS jobs.
+
+    Args:
+        app_name: shown in the Spark UI.
+        master: e.g. ``local[2]``, ``spark://host:7077`` or ``sc://host:15002`` (Spark Connect); None keeps an
+            existing session's or spark-submit's master, else ``local[*]``.
+        conf: extra Spark settings.
+        driver_memory: heap of a local driver (in local mode also the executors'); ignored when the JVM runs.
+            None: the Settings default.
+        log_level: Spark's log level (classic sessions); None: the Settings default.
+    """
+    from solaris_jobs.core.settings import default_of
+    driver_memory = driver_memory or default_of("spark_driver_memory")
+    log_level = log_level or default_of("spark_log_level")
+    # Python workers must run the interpreter that has the project's packages.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    # Session settings: what a Spark Connect server's sessions take too.
+    sql = {
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.execution.arrow.pyspark.enabled": "true",
+        # Many small shuffle partitions, coalesced by adaptive execution: less memory per task at scale.
+        "spark.sql.shuffle.partitions": "32",
+        "spark.sql.adaptive.enabled": "true",
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    }
+    if master and master.startswith("sc://"):
+        # A Spark Connect client: the session is the server's; SOLARIS's jobs need no JVM on this side. (Spark
+        # Connect mode holds for the whole Python process: no classic session may exist in it.)
+        builder = SparkSession.builder.remote(master).appName(app_name)
+        for k, v in {**sql, **(conf or {})}.items():
+            builder = builder.config(k, v)
+        spark = builder.getOrCreate()
+        logger.info("Spark Connect session at %s (Spark %s)", master, spark.version)
+        return spark
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    elif not SparkSession.getActiveSession() and "spark.master" not in os.environ.get("SPARK_CONF", ""):
+        builder = builder.master(os.environ.get("MASTER", "local[*]"))
+    settings = {
+        **sql,
+        # In local mode the driver is also the executor; ignored when the JVM is already running.
+        "spark.driver.memory": driver_memory,
+        "spark.ui.showConsoleProgress": "false",
+        **(conf or {}),
+    }
+    for k, v in settings.items():
+        builder = builder.config(k, v)
+    spark = builder.getOrCreate()
+    from pyspark.sql.utils import is_remote
+    if not is_remote():                  # SPARK_REMOTE in the environment makes even this a Connect session
+        spark.sparkContext.setLogLevel(log_level)
+    return spark
+
+
+def parallelism(spark) -> int:
+    """The session's default parallelism (Spark Connect: ``spark.default.parallelism``, else the shuffle
+    partitions), at least 1."""
+    try:
+        return max(spark.sparkContext.defaultParallelism, 1)
+    except Exception:         # Spark Connect sessions have no SparkContext
+        conf = spark.conf.get("spark.default.parallelism", None) or spark.conf.get("spark.sql.shuffle.partitions")
+        return max(int(conf), 1)
+
+
+def read_events_df(spark, root: str, start=None, end=None):
+    """Events with start <= event_timestamp < end as a Spark DataFrame (partition columns dropped)."""
+    from pyspark.sql import functions as F
+
+    from solaris_jobs.core import events as ev
+    df = spark.read.option("basePath", str(ev.events_dir(root))).parquet(str(ev.events_dir(root)))
+    if start is not None:
+        s = ev.to_utc(start)
+        df = df.where(F.col("date") >= F.lit(s.date())).where(F.col("event_timestamp") >= F.lit(s.to_pydatetime()))
+    if end is not None:
+        e = ev.to_utc(end)
+        df = df.where(F.col("date") <= F.lit(e.date())).where(F.col("event_timestamp") < F.lit(e.to_pydatetime()))
+    return df.select(*ev.EVENT_SCHEMA.names)

@@ -1,0 +1,320 @@
+"""What the tests (and the benchmarks) share: real servers on 127.0.0.1 and a free port picked at run time, stopped
+afterwards (Redis, Redis Cluster, Spark standalone, Spark Connect); comparing offline outputs row for row
+(``python -m tests.support A B`` compares two offline stores); tiny models; the MovieLens test interval.
+Fixtures live in ``conftest.py``; tests import helpers from here, never from ``conftest``.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from solaris_jobs.core import offline as off
+from solaris_jobs.core.settings import PrecomputeConfig, SimulatorConfig
+from solaris_jobs.dev.ports import free_port
+
+# ------------------------------------------------------------------------------------------------ MovieLens interval
+
+ML_END = pd.Timestamp("1998-03-01T00:00:00Z")
+ML_START = ML_END - pd.Timedelta(hours=1)
+ML_CFG = PrecomputeConfig(lookback_days=None, active_hours=24 * 14, history_len=10, batch_size=256,
+                          simulator=SimulatorConfig().with_candidates(60))
+
+
+def train_tiny_models(root, out, history_len=10, max_train_rows=20_000):
+    """Small FM, AE and VM checkpoints (seconds to train) for the pipeline tests: fm.pt, ae.pt, vm.pt."""
+    from solaris_jobs.learning import training
+    data = training.load_dataset(str(root), history_len=history_len, max_train_rows=max_train_rows)
+    cfg = training.TrainConfig(epochs=1, history_len=history_len, max_train_rows=max_train_rows)
+    training.train_fm(data, out / "fm.pt", cfg, d_model=16, n_layers=1, d_interaction=32)
+    training.train_ae(data, out / "fm.pt", out / "ae.pt", cfg, d_code=8)
+    training.train_vm(data, out / "vm.pt", cfg)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ servers
+
+def feast_yaml(path: Path, online: str, registry: Path | None = None) -> Path:
+    """Writes a feature_store.yaml for project solaris: ``online`` is the indented body of ``online_store:``."""
+    path.write_text(f"project: solaris\nprovider: local\nregistry: {registry or path.parent / 'registry.db'}\n"
+                    f"online_store:\n{online}\noffline_store:\n  type: file\nentity_key_serialization_version: 3\n")
+    return path
+
+
+def _wait_for(predicate, timeout: float, what: str, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    raise RuntimeError(f"{what} did not come up within {timeout:.0f}s\n{tail}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stops a server started in its own process group (SIGTERM, then SIGKILL)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+class SparkStandalone:
+    """A Spark standalone master and one worker on loopback: a real cluster deployment on one machine."""
+
+    def __init__(self, workdir: Path, cores: int = 2, memory: str = "2g"):
+        self.workdir = workdir
+        self.port, self.ui, self.worker_ui = free_port(), free_port(), free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.cores, self.memory = cores, memory
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self) -> dict:
+        return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_MASTER_HOST": "127.0.0.1",
+                "SPARK_WORKER_DIR": str(self.workdir / "work"), "SPARK_LOG_DIR": str(self.workdir / "logs"),
+                "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+
+    def _start(self, cls: str, args: list[str], log: Path) -> subprocess.Popen:
+        spark_class = shutil.which("spark-class", path=str(Path(sys.executable).parent))
+        if spark_class is None:
+            raise RuntimeError("spark-class not found beside the interpreter: is pyspark installed in this venv?")
+        out = open(log, "w")
+        proc = subprocess.Popen([spark_class, cls, *args], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def __enter__(self):
+        (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        mlog, wlog = self.workdir / "master.log", self.workdir / "worker.log"
+        self._start("org.apache.spark.deploy.master.Master",
+                    ["--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui)], mlog)
+        _wait_for(lambda: "I have been elected leader" in mlog.read_text(), 90, "Spark master", mlog)
+        self._start("org.apache.spark.deploy.worker.Worker",
+                    [self.url, "--host", "127.0.0.1", "--webui-port", str(self.worker_ui), "--cores",
+                     str(self.cores), "--memory", self.memory, "--work-dir", str(self.workdir / "work")], wlog)
+        _wait_for(lambda: "Successfully registered with master" in wlog.read_text(), 90, "Spark worker", wlog)
+        return self
+
+    def submit(self, script: str, args: list[str], timeout: float = 600, env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+        submit = str(Path(sys.executable).parent / "spark-submit")
+        cmd = [submit, "--master", self.url, "--conf", f"spark.pyspark.python={sys.executable}",
+               "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+               "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
+               "--executor-memory", "1g", script, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env={**self.env(), **(env or {})}, timeout=timeout)
+
+    def __exit__(self, *exc):
+        for p in reversed(self.procs):
+            stop(p)
+
+
+class SparkConnectServer:
+    """A Spark Connect server (``local[2]``) on 127.0.0.1 and a free port: what a client with ``--master
+    sc://...`` talks to. Spark Connect mode holds for a whole Python process, so clients run in subprocesses."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "connect.log"
+        submit = str(Path(sys.executable).parent / "spark-submit")
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        self.proc = subprocess.Popen(
+            [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[2]",
+             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
+             "--conf", f"spark.connect.grpc.binding.port={self.port}", "--conf", "spark.ui.enabled=false",
+             "--conf", "spark.driver.host=127.0.0.1", "--driver-memory", "2g", "spark-internal"],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _wait_for(lambda: "Spark Connect server started" in log.read_text() or self.proc.poll() is not None, 120,
+                  "Spark Connect server", log)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"Spark Connect server exited:\n{log.read_text()[-3000:]}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            stop(self.proc)
+
+
+class RedisServer:
+    """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test."""
+
+    def __init__(self, workdir: Path, port: int | None = None, extra: tuple = ()):
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.extra = list(extra)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "RedisServer":
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (make sysdeps, or apt-get install redis-server)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "redis.log"
+        self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                                      "--appendonly", "no", *self.extra, "--dir", str(self.workdir),
+                                      "--logfile", str(log)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    return s.recv(16).startswith(b"+PONG")
+            except OSError:
+                return False
+        _wait_for(up, 20, "redis-server", log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _free_cluster_port() -> int:
+    """A free port p whose cluster bus port p + 10000 is free too."""
+    for _ in range(100):
+        p = free_port()
+        if p + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                continue
+        return p
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterServer:
+    """A real Redis Cluster of ``n`` primaries (no replicas) on 127.0.0.1, free ports, created with redis-cli."""
+
+    def __init__(self, workdir: Path, n: int = 3):
+        self.workdir, self.n = Path(workdir), n
+        self.nodes = [RedisServer(self.workdir / f"node{i}", _free_cluster_port(),
+                                  extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf",
+                                         "--cluster-node-timeout", "5000")) for i in range(n)]
+
+    @property
+    def url(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def __enter__(self):
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is not installed (it comes with redis-server)")
+        res = subprocess.run([cli, "--cluster", "create", *[n.url for n in self.nodes], "--cluster-replicas", "0",
+                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if res.returncode != 0:
+            self.__exit__()
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{res.stdout}\n{res.stderr}")
+
+        def ok():
+            for node in self.nodes:
+                out = subprocess.run([cli, "-p", str(node.port), "cluster", "info"], capture_output=True, text=True)
+                if "cluster_state:ok" not in out.stdout:
+                    return False
+            return True
+        _wait_for(ok, 30, "redis cluster")
+        return self
+
+    def __exit__(self, *exc):
+        for node in self.nodes:
+            node.stop()
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+def read_sorted(offline, dataset: str, end) -> pd.DataFrame:
+    """One interval's published output through the layout module, rows sorted by every column that is not an
+    array (keys first), so that equal outputs compare equal whatever order their files and rows came in."""
+    df = off.read_table(offline, dataset, end).to_pandas()
+    if not len(df):
+        return df
+    scalar = [c for c in df.columns if not isinstance(df[c].iloc[0], (np.ndarray, list))]
+    key = [c for c in ("user_id", "item_id") if c in scalar] + [c for c in scalar if c not in ("user_id", "item_id")]
+    return df.sort_values(key, kind="mergesort").reset_index(drop=True)
+
+
+def assert_same_frames(x: pd.DataFrame, y: pd.DataFrame, name: str, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Same columns and rows; array columns within ``rtol``/``atol`` (exactly equal by default)."""
+    assert list(x.columns) == list(y.columns), (name, list(x.columns), list(y.columns))
+    assert x.shape == y.shape, (name, x.shape, y.shape)
+    for c in x.columns:
+        if len(x) and isinstance(x[c].iloc[0], (np.ndarray, list)):
+            assert [len(v) for v in x[c]] == [len(v) for v in y[c]], (name, c)
+            if sum(len(v) for v in x[c]):
+                np.testing.assert_allclose(np.concatenate(x[c].to_list()), np.concatenate(y[c].to_list()),
+                                           rtol=rtol, atol=atol, err_msg=f"{name}.{c}")
+        else:
+            pd.testing.assert_series_equal(x[c], y[c], check_names=False, obj=f"{name}.{c}")
+
+
+def assert_same_outputs(a, b, end, datasets=off.DATASETS, rtol: float = 0.0, atol: float = 0.0) -> dict:
+    """Asserts that two offline stores hold the same rows for the interval ending ``end``; returns the row counts
+    per dataset."""
+    counts = {}
+    for d in datasets:
+        x = read_sorted(a, d, end)
+        assert_same_frames(x, read_sorted(b, d, end), d, rtol, atol)
+        counts[d] = len(x)
+    return counts
+
+
+def main(argv=None) -> None:
+    """``python -m tests.support A B``: compares every interval of every dataset two offline stores hold (either
+    layout), rows sorted, exactly; a dataset only one holds must be empty there. Prints the row counts."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    args = ap.parse_args(argv)
+    for d in off.DATASETS:
+        ends_a, ends_b = off.list_intervals(args.a, d), off.list_intervals(args.b, d)
+        for e in sorted(set(ends_a) | set(ends_b)):
+            if e in ends_a and e in ends_b:
+                n = assert_same_outputs(args.a, args.b, e, [d])[d]
+                print(f"{d:18s} {e.isoformat()}  {n:7d} rows, identical")
+            else:
+                only, store = (args.a, "a") if e in ends_a else (args.b, "b")
+                n = off.read_table(only, d, e).num_rows
+                assert n == 0, f"{d} {e}: {n} rows only in {store}"
+                print(f"{d:18s} {e.isoformat()}  only in {store}, empty")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The library's layers: a layer imports only the layers below it (every import, also those inside functions), none
+imports its entry points (DAGs, Spark scripts, the CLI), no module-level import cycles, the serving hot path loads
+no torch, and the flat layout's module paths still work."""
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import solaris_jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Layer -> the layers it may import (itself always). ``models`` is the top-level torch package.
+ALLOWED = {
+    "root": set(),
+    "core": set(),
+    "dev": {"core"},
+    "models": {"core"},
+    "data": {"core"},
+    "online": {"core"},
+    "pipeline": {"core", "models", "data"},
+    "learning": {"core", "models", "data", "online", "pipeline"},
+    "evaluation": {"core", "models", "data", "online", "pipeline", "learning"},
+    "flows": {"core", "models", "data", "online", "pipeline", "learning", "evaluation", "dev"},
+}
+# Exceptions, each with its reason: (module, imported layer) -> why.
+EXCEPTIONS = {("solaris_jobs.online.ranker", "models"): "the ranker integration scores with a VM checkpoint; the "
+                                                         "serving hot path (reader) stays free of torch"}
+
+
+# Entry points and glue above the library: nothing in it imports them (nor the CLI, whose callers are these).
+GLUE = ("spark_jobs", "dags", "feature_repo", "tests", "benchmarks")
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "models":
+        return "models"
+    if parts[0] != "solaris_jobs":
+        return None
+    if len(parts) == 1 or parts[1] == "__init__":
+        return "root"
+    return parts[1] if parts[1] in ALLOWED else "root"
+
+
+def modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for pkg in ("solaris_jobs", "models"):
+        for p in sorted((root / pkg).rglob("*.py")):
+            name = ".".join(p.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def imports(path: Path, module: str, top_level_only: bool = False) -> list[tuple[int, str]]:
+    """(line, imported module) of every import in a file; ``from a.b import c`` gives ``a.b.c`` (c may be a
+    submodule); with ``top_level_only``, the imports that run when the module is imported (not inside functions,
+    not under ``if TYPE_CHECKING``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    nodes = []
+
+    def walk(body, nested):
+        for n in body:
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                nodes.append(n)
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if not top_level_only:
+                    walk(n.body, True)
+            elif isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING":
+                if not top_level_only:
+                    walk(n.body, nested)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    walk(getattr(n, field, []) or [], nested)
+
+    walk(tree.body, False)
+    out = []
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            out += [(n.lineno, a.name) for a in n.names]
+            continue
+        base = n.module or ""
+        if n.level:
+            pkg = module.split(".") if is_pkg else module.split(".")[:-1]
+            pkg = pkg[:len(pkg) - (n.level - 1)]
+            base = ".".join(pkg + ([n.module] if n.module else []))
+        out += [(n.lineno, f"{base}.{a.name}") for a in n.names]
+    return out
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    for module, path in modules(root).items():
+        mine = layer_of(module)
+        for line, target in imports(path, module):
+            if target.split(".")[0] in GLUE or (target.startswith("solaris_jobs.flows.cli")
+                                                 and module != "solaris_jobs.flows.cli"):
+                found.append(f"{path.relative_to(root)}:{line}: library module imports the entry point {target}")
+                continue
+            theirs = layer_of(target)
+            if theirs is None or theirs == mine or theirs == "root":
+                continue
+            if theirs in ALLOWED[mine] or (module, theirs) in EXCEPTIONS:
+                continue
+            found.append(f"{path.relative_to(root)}:{line}: layer {mine} imports {target} (layer {theirs})")
+    return found
+
+
+def cycles(root: Path) -> list[list[str]]:
+    mods = modules(root)
+    graph = {}
+    for module, path in mods.items():
+        deps = set()
+        for _, target in imports(path, module, top_level_only=True):
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != module and not module.startswith(target + "."):
+                deps.add(target)
+        graph[module] = deps
+    found, state = [], {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                found.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def test_layers_import_only_downwards_and_without_cycles():
+    assert violations(ROOT) == []
+    assert cycles(ROOT) == []
+
+
+def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
+    for f, text in {"solaris_jobs/__init__.py": "", "solaris_jobs/core/__init__.py": "",
+                    "solaris_jobs/core/a.py": "def f():\n    from solaris_jobs.online import reader\n",
+                    "solaris_jobs/core/b.py": "from solaris_jobs.core import c\n",
+                    "solaris_jobs/core/c.py": "from . import b\n",
+                    "solaris_jobs/online/__init__.py": "", "solaris_jobs/online/reader.py": "import models.vm\n",
+                    "solaris_jobs/online/ranker.py": "import models.vm\n",
+                    "solaris_jobs/flows/__init__.py": "", "solaris_jobs/flows/demo.py": "from solaris_jobs.flows import cli\n",
+                    "models/__init__.py": "", "models/vm.py": "from solaris_jobs.core import a\n"}.items():
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text(text)
+    assert violations(tmp_path) == [
+        "solaris_jobs/core/a.py:2: layer core imports solaris_jobs.online.reader (layer online)",
+        "solaris_jobs/flows/demo.py:1: library module imports the entry point solaris_jobs.flows.cli",
+        "solaris_jobs/online/reader.py:1: layer online imports models.vm (layer models)"]
+    assert cycles(tmp_path) == [["solaris_jobs.core.b", "solaris_jobs.core.c", "solaris_jobs.core.b"]]
+
+
+def test_the_serving_hot_path_loads_no_torch_spark_or_feast():
+    code = ("import sys, solaris_jobs.online.reader, solaris_jobs.online.coverage; "
+            "print(sorted(m for m in ('torch', 'pyspark', 'feast') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("old", sorted(solaris_jobs.MOVED))
+def test_the_flat_layouts_paths_are_the_same_modules(old):
+    new = importlib.import_module(f"solaris_jobs.{solaris_jobs.MOVED[old]}")
+    assert importlib.import_module(f"solaris_jobs.{old}") is new
+    assert not (ROOT / "solaris_jobs" / f"{old}.py").exists()
+
+
+def test_readme_import_paths_work():
+    from solaris_jobs.candidates import RequestSimulator
+    from solaris_jobs.offline import read_interval, read_table
+    from solaris_jobs.ranker import Ranker
+    from solaris_jobs.serving import FeatureReader
+    from solaris_jobs.settings import Settings
+    from solaris_jobs.store_config import load
+    assert {RequestSimulator.__module__, read_table.__module__, read_interval.__module__, Ranker.__module__,
+            FeatureReader.__module__, Settings.__module__, load.__module__} == {
+        "solaris_jobs.data.requests", "solaris_jobs.core.offline", "solaris_jobs.online.ranker",
+        "solaris_jobs.online.reader", "solaris_jobs.core.settings", "solaris_jobs.online.store_config"}
