@@ -4,10 +4,11 @@
 Every interval (hourly by default), after it closes: validate the interval's events, move serving misses into
 the offline store, select candidate pairs (request simulator, negative exclusion, VM verifier, misses forced in),
 run the FM on them, recompute user aggregates and neighbours, report the interval's coverage as the serving client
-resolved it from the store it found, then materialize all three into the online store. Each output is an Airflow Asset (`solaris_pair_embeddings`, ...), so other DAGs
-can be scheduled on it.
+resolved it from the store it found, then materialize all three into the online store. Each output is an Airflow Asset
+(`solaris_pair_embeddings`, ...), so other DAGs can be scheduled on it.
 
-Configured by the environment of the workers: one settings object, built by `solaris_jobs.core.settings.Settings.from_env()`
+Configured by the environment of the workers: one settings object, built by
+`solaris_jobs.core.settings.Settings.from_env()`
 when a task runs (`SOLARIS_DATA`, `SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`, ...; the README's
 table lists them all) and passed whole to the Spark steps, in-process or as `--settings` JSON through spark-submit.
 DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,

@@ -152,7 +152,8 @@ def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
                     "solaris_jobs/core/c.py": "from . import b\n",
                     "solaris_jobs/online/__init__.py": "", "solaris_jobs/online/reader.py": "import models.vm\n",
                     "solaris_jobs/online/ranker.py": "import models.vm\n",
-                    "solaris_jobs/flows/__init__.py": "", "solaris_jobs/flows/demo.py": "from solaris_jobs.flows import cli\n",
+                    "solaris_jobs/flows/__init__.py": "",
+                    "solaris_jobs/flows/demo.py": "from solaris_jobs.flows import cli\n",
                     "models/__init__.py": "", "models/vm.py": "from solaris_jobs.core import a\n"}.items():
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text(text)

@@ -2,7 +2,8 @@
 the settings, the seeds and the protocol's dates) and ``<out>/report.md`` with its plots.
 
 Per seed (the seed varies the FM, the autoencoder, the verifier and the VMs; the data is fixed): train the models
-on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learning.replay``); derive the headline budget and
+on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learning.replay``); derive the headline
+budget and
 cadence from it (``curves``); train the VM variants on what was served (``variants``); measure BCE, AUC and TR with
 paired-bootstrap intervals over users, overall, per tier and per segment, and coverage and cost through what
 ``FeatureReader`` served. The budget and cadence curves and the 15-minute replay run for the first seed only; the
@@ -251,8 +252,8 @@ def _ceiling_and_segments(ctx: SeedContext, served: pa.Table, every: pd.Timedelt
 
 
 def _coverage(served: pa.Table, mask: np.ndarray, extra: dict, protocol: Protocol, every: pd.Timedelta) -> dict:
-    """Tier shares (``online.coverage.tier_summary``: the refresh DAG's report uses the same), ages and the ceiling of the
-    rows in ``mask``, overall and per refresh interval."""
+    """Tier shares (``online.coverage.tier_summary``: the refresh DAG's report uses the same), ages and the ceiling of
+    the rows in ``mask``, overall and per refresh interval."""
     from solaris_jobs.online.coverage import tier_summary
     tier = served.column("tier").to_numpy()[mask]
     age_s = served.column("age_s").to_numpy(zero_copy_only=False)[mask]

@@ -3,8 +3,8 @@ call, what ``solaris backfill`` runs without a scheduler, and the one interval l
 ``backfill`` and the CLI's job and materialize commands. Each step returns a JSON-able stats dict (the task's XCom).
 
 Settings: one ``solaris_jobs.core.settings.Settings`` object (the Airflow tasks build it from the worker's
-environment with ``Settings.from_env()``). The Spark steps are ``solaris_jobs.pipeline.jobs``; the others are here. Every
-step takes the doors a replay needs: ``events`` (an event source read once), ``clock`` (what "now" is for expiry,
+environment with ``Settings.from_env()``). The Spark steps are ``solaris_jobs.pipeline.jobs``; the others are here.
+Every step takes the doors a replay needs: ``events`` (an event source read once), ``clock`` (what "now" is for expiry,
 freshness and timestamps) and, for the Spark steps, ``models`` (resolved once) and ``spark`` (a session to reuse).
 """
 from __future__ import annotations
@@ -85,8 +85,8 @@ def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
     Coverage: the interval's logged rows (its requests) served again through ``FeatureReader`` at their own times
     from the online store as the interval found it (the DAG runs this step before ``materialize``): per tier the
     share of rows, with every view's TTL, the embedding version of the current models and "nothing newer than the
-    request" applied, exactly as serving does (``online.coverage.tier_summary``; the evaluation uses the same); before the
-    first materialization (``store_empty``) every row is tier none and the store is not read. Freshness:
+    request" applied, exactly as serving does (``online.coverage.tier_summary``; the evaluation uses the same); before
+    the first materialization (``store_empty``) every row is tier none and the store is not read. Freshness:
     the newest materialized interval and how old the interval's features are now (the clock). Written to
     ``<offline>/reports/end=.../report.json`` and returned.
     """
@@ -130,7 +130,8 @@ def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, mod
 
     Args:
         spark: a session to reuse for the Spark steps (None: ``jobs.session(s)``).
-        events, models, clock: see ``solaris_jobs.pipeline.jobs``; pass an ``event_source.EventTable`` to share one cached
+        events, models, clock: see ``solaris_jobs.pipeline.jobs``; pass an ``event_source.EventTable`` to share one
+        cached
             Spark copy of events in memory across calls.
     """
     start, end = interval(start, end)

@@ -7,8 +7,8 @@ after it closes; T = ``end`` is the cutoff. Everything is computed from events w
 (and ``>= T - lookback_days`` where a bound is set); embeddings are stamped with T.
 
 Model scoring runs on executors with ``mapInPandas``: each Python worker loads a checkpoint once (the version the
-run resolved, checked: ``solaris_jobs.pipeline.model_refs``) and scores Arrow batches; nothing is collected to the driver except the FAISS step in
-``solaris_jobs.pipeline.knn``.
+run resolved, checked: ``solaris_jobs.pipeline.model_refs``) and scores Arrow batches; nothing is collected to the
+driver except the FAISS step in ``solaris_jobs.pipeline.knn``.
 """
 from __future__ import annotations
 
