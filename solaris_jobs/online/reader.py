@@ -37,6 +37,7 @@ T_PAIR, T_AGG, T_NB, T_NONE = (TIERS.index(t) for t in ("pair", "user_aggregate"
 MISSING, STALE, OTHER_VERSION, FUTURE = 0, 1, 2, 3
 CODE_NAMES = {MISSING: "missing", STALE: "stale", OTHER_VERSION: "other_version", FUTURE: "future"}
 
+
 @dataclass
 class Features:
     embeddings: np.ndarray          # (N, D) float32

@@ -247,7 +247,6 @@ class RedisWriter:
         self.client.close()
 
 
-
 class ClusterWriter:
     """Writes to a Redis Cluster: rows grouped by the primary that owns their key's slot, one ``RedisWriter``
     (raw pipelining) per primary. Scripted writes go one slot at a time (a script's keys must share a slot).
