@@ -1,6 +1,7 @@
 """SOLARIS: speculative precomputation of foundation-model embeddings for a fast ranker.
 
-The library is grouped by layer; a layer imports only the layers below it (``tests/test_layout.py`` checks):
+The library is grouped by layer; a layer imports only the layers below it and no module-level import forms a cycle
+(``tests/test_layout.py`` checks):
 
     core        settings, the event contract, the offline layout, model inputs, shared constants
     dev         local Airflow and free ports (dev only)                                     -> core
@@ -8,8 +9,8 @@ The library is grouped by layer; a layer imports only the layers below it (``tes
     data        MovieLens, synthetic traffic, the request simulator                        -> core
     online      Feast views, writers, materialize, the serving client, the miss queue      -> core (+ models: ranker)
     pipeline    Spark session, event source, the refresh's transforms, KNN, model refs     -> core, models, data
-    learning    training, the production-ordered replay                                    -> the above
-    evaluation  ``solaris evaluate``                                                       -> the above
+    learning    training, the production-ordered replay                        -> core, models, data, online, pipeline
+    evaluation  ``solaris evaluate``                                               -> the same and learning
     flows       the DAG steps, the training flow, the CLI, the demo                        -> everything
 
 The module paths of the flat layout before it (``solaris_jobs.serving``, ``solaris_jobs.jobs``, ...) still import:
@@ -45,14 +46,26 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         prefix, _, name = fullname.partition(".")
         if prefix == __name__ and name in MOVED:
-            return importlib.util.spec_from_loader(fullname, self)
+            real = importlib.util.find_spec(self._new(fullname))
+            return importlib.util.spec_from_loader(fullname, self, origin=real.origin)
         return None
 
+    @staticmethod
+    def _new(fullname: str) -> str:
+        return f"{__name__}.{MOVED[fullname.partition('.')[2]]}"
+
     def create_module(self, spec):
-        return importlib.import_module(f"{__name__}.{MOVED[spec.name.partition('.')[2]]}")
+        module = importlib.import_module(self._new(spec.name))
+        spec.loader_state = module.__spec__         # the import system sets __spec__ to the alias's: put it back
+        return module
 
     def exec_module(self, module):
-        pass                # already executed under its new name
+        module.__spec__ = module.__spec__.loader_state  # already executed under its new name
+
+    def get_code(self, fullname):
+        """``python -m solaris_jobs.<old>`` runs the new module."""
+        spec = importlib.util.find_spec(self._new(fullname))
+        return spec.loader.get_code(spec.name)
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):

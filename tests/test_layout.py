@@ -75,6 +75,7 @@ def imports(path: Path, module: str, top_level_only: bool = False) -> list[tuple
             elif isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING":
                 if not top_level_only:
                     walk(n.body, nested)
+                walk(n.orelse, nested)
             else:
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     walk(getattr(n, field, []) or [], nested)
@@ -102,6 +103,11 @@ def violations(root: Path) -> list[str]:
             if target.split(".")[0] in GLUE or (target.startswith("solaris_jobs.flows.cli")
                                                  and module != "solaris_jobs.flows.cli"):
                 found.append(f"{path.relative_to(root)}:{line}: library module imports the entry point {target}")
+                continue
+            old = target.split(".")[1] if target.startswith("solaris_jobs.") else None
+            if old in solaris_jobs.MOVED:
+                found.append(f"{path.relative_to(root)}:{line}: library module imports the flat path {target} "
+                             f"(use solaris_jobs.{solaris_jobs.MOVED[old]})")
                 continue
             theirs = layer_of(target)
             if theirs is None or theirs == mine or theirs == "root":
@@ -148,7 +154,7 @@ def test_layers_import_only_downwards_and_without_cycles():
 def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
     for f, text in {"solaris_jobs/__init__.py": "", "solaris_jobs/core/__init__.py": "",
                     "solaris_jobs/core/a.py": "def f():\n    from solaris_jobs.online import reader\n",
-                    "solaris_jobs/core/b.py": "from solaris_jobs.core import c\n",
+                    "solaris_jobs/core/b.py": "from solaris_jobs.core import c\nfrom solaris_jobs.jobs import run\n",
                     "solaris_jobs/core/c.py": "from . import b\n",
                     "solaris_jobs/online/__init__.py": "", "solaris_jobs/online/reader.py": "import models.vm\n",
                     "solaris_jobs/online/ranker.py": "import models.vm\n",
@@ -159,6 +165,8 @@ def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
         (tmp_path / f).write_text(text)
     assert violations(tmp_path) == [
         "solaris_jobs/core/a.py:2: layer core imports solaris_jobs.online.reader (layer online)",
+        "solaris_jobs/core/b.py:2: library module imports the flat path solaris_jobs.jobs.run "
+        "(use solaris_jobs.pipeline.jobs)",
         "solaris_jobs/flows/demo.py:1: library module imports the entry point solaris_jobs.flows.cli",
         "solaris_jobs/online/reader.py:1: layer online imports models.vm (layer models)"]
     assert cycles(tmp_path) == [["solaris_jobs.core.b", "solaris_jobs.core.c", "solaris_jobs.core.b"]]
@@ -175,10 +183,22 @@ def test_the_serving_hot_path_loads_no_torch_spark_or_feast():
 def test_the_flat_layouts_paths_are_the_same_modules(old):
     new = importlib.import_module(f"solaris_jobs.{solaris_jobs.MOVED[old]}")
     assert importlib.import_module(f"solaris_jobs.{old}") is new
+    assert new.__spec__.name == new.__name__ == f"solaris_jobs.{solaris_jobs.MOVED[old]}"     # reload still works
     assert not (ROOT / "solaris_jobs" / f"{old}.py").exists()
 
 
+def test_the_old_module_path_still_runs_and_the_checkout_is_found():
+    from solaris_jobs.core.settings import PROJECT_ROOT
+    from solaris_jobs.dev.airflow_local import DAGS
+    assert PROJECT_ROOT == ROOT and (DAGS / "solaris_refresh.py").exists()
+    out = subprocess.run([sys.executable, "-m", "solaris_jobs.cli", "--help"], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert "Usage: python -m solaris_jobs.cli" in out.stdout and "evaluate" in out.stdout
+
+
 def test_readme_import_paths_work():
+    from solaris_jobs import store_config
+    assert store_config.__name__ == "solaris_jobs.online.store_config"
     from solaris_jobs.candidates import RequestSimulator
     from solaris_jobs.offline import read_interval, read_table
     from solaris_jobs.ranker import Ranker

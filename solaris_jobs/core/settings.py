@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]          # the checkout: solaris_jobs/core/settings.py
 _STRICT = ConfigDict(extra="forbid")
 
 # ------------------------------------------------------------------------------------------------ precompute

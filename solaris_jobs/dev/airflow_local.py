@@ -18,9 +18,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from solaris_jobs.core.settings import PROJECT_ROOT
 from solaris_jobs.dev.ports import free_port
 
-DAGS = Path(__file__).resolve().parent.parent / "dags"
+DAGS = PROJECT_ROOT / "dags"
 # sqlite3's connect arguments for the metadata DB (AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS names this): wait
 # up to 30 s for another process's write lock instead of the default 5 s, so that the CLI (`airflow backfill
 # create`) and the API server do not fail with "database is locked" while the scheduler writes.

@@ -3,9 +3,8 @@ the settings, the seeds and the protocol's dates) and ``<out>/report.md`` with i
 
 Per seed (the seed varies the FM, the autoencoder, the verifier and the VMs; the data is fixed): train the models
 on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learning.replay``); derive the headline
-budget and
-cadence from it (``curves``); train the VM variants on what was served (``variants``); measure BCE, AUC and TR with
-paired-bootstrap intervals over users, overall, per tier and per segment, and coverage and cost through what
+budget and cadence from it (``curves``); train the VM variants on what was served (``variants``); measure BCE, AUC
+and TR with paired-bootstrap intervals over users, overall, per tier and per segment, and coverage and cost through what
 ``FeatureReader`` served. The budget and cadence curves and the 15-minute replay run for the first seed only; the
 sweep over the share of the label signal only a sequence model can see runs one seed per share.
 

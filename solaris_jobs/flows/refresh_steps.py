@@ -131,8 +131,7 @@ def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, mod
     Args:
         spark: a session to reuse for the Spark steps (None: ``jobs.session(s)``).
         events, models, clock: see ``solaris_jobs.pipeline.jobs``; pass an ``event_source.EventTable`` to share one
-        cached
-            Spark copy of events in memory across calls.
+            cached Spark copy of events in memory across calls.
     """
     start, end = interval(start, end)
     if step in SPARK_STEPS:

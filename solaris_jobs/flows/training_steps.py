@@ -84,8 +84,7 @@ def train(kind: str, version_dir: str) -> dict:
 def train_served_vm(root: str, version_dir: Path, o: dict, P) -> dict:
     """The ranker's VM, trained on what the store would serve it: the refresh and the serving client replayed
     (``solaris_jobs.learning.replay``) over ``[P.t1, P.t2)`` with this version's FM, autoencoder and verifier
-    (trained before
-    ``P.t1``), the refresh settings of the environment and the views' TTLs; rows before that window carry tier none
+    (trained before ``P.t1``), the refresh settings of the environment and the views' TTLs; rows before that window carry tier none
     (nothing of this version was served then). Validation: ``[P.valid_from, P.t2)``. Output: ``vm_transfer.pt``
     (all tiers, tier and age inputs)."""
     import numpy as np

@@ -14,7 +14,7 @@ from solaris_jobs.online.reader import FeatureReader
 from solaris_jobs.online.store_config import StoreConfig
 
 
-def requests(events: pa.Table) -> pd.DataFrame:
+def group_requests(events: pa.Table) -> pd.DataFrame:
     """The logged rows grouped into ranking requests, in time order: one request per ``request_id``, or per (user,
     timestamp) where the log has none. Columns: user_id, item_id, ts_us, request (0..n-1), row (the row's index in
     ``events``)."""
@@ -43,7 +43,7 @@ class Server:
         self.reader = FeatureReader(store, version, dim, budget_ms=1000.0, cooldown_s=0.0,
                                     misses="auto" if misses_dir else None, misses_dir=misses_dir,
                                     miss_queue_size=1_000_000, env=env, miss_flush_s=3600.0)
-        req = requests(events)
+        req = group_requests(events)
         self.ts, self.users, self.items = req["ts_us"].to_numpy(), req["user_id"].to_numpy(), req["item_id"].to_numpy()
         self.rows = req["row"].to_numpy()
         r = req["request"].to_numpy()

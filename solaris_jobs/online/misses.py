@@ -76,7 +76,8 @@ def write_misses(folder: str, records) -> str | None:
 class MissQueue:
     """Bounded, non-blocking: ``put`` never waits; a background thread hands batches to the sink."""
 
-    def __init__(self, sink, metrics: ServingMetrics, maxsize: int = 10_000, flush_s: float = 0.5):
+    def __init__(self, sink, metrics, maxsize: int = 10_000, flush_s: float = 0.5):
+        # metrics: anything with a ``counts`` Counter (the reader's ``ServingMetrics``).
         self.sink, self.metrics, self.flush_s = sink, metrics, flush_s
         self.q: queue.Queue = queue.Queue(maxsize)
         self._stop = threading.Event()
