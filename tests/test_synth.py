@@ -44,9 +44,14 @@ def test_traffic_shape(synth_root, synth_cfg):
     assert df["label"].notna().all()
     sizes = df.groupby("request_id").agg(n=("item_id", "size"), t=("event_timestamp", "nunique"))
     assert (sizes["n"] == synth_cfg.n_pool + synth_cfg.n_fresh).all() and (sizes["t"] == 1).all()
-    # Ad-like: the positive rate is the one asked for (the label's bias is solved on a pilot of the users).
+    # Ad-like: the positive rate is the one asked for (the label's bias is solved on a pilot).
     assert abs(m["positive_rate"] - synth_cfg.positive_rate) < 0.015
     assert m["calibration"]["bias"] < -2 and 0 < m["calibration"]["sd_d"]
+    # ... on a pilot draw outside the log: the same for any population, so no row of the log (test days included)
+    # fits it.
+    pilot = replace(synth_cfg, calibration_users=100)
+    assert synth.calibrate(replace(pilot, users=50), synth._World(pilot)) == synth.calibrate(
+        replace(pilot, users=500), synth._World(pilot))
     # ERCache (arXiv 2410.06497): about 3 in 4 of a user's consecutive requests come within 10 minutes.
     assert 0.6 < m["consecutive_requests_within_10min"] < 0.95
     # Pairs recur (the manifest's figure is recomputed from the log), users return in sessions.

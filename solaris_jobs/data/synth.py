@@ -15,8 +15,9 @@ What it models (all parameters in :class:`SynthConfig`):
   ``fatigue_half_life_hours``) that only a model of the user's history can see. ``sequence_share`` is the share
   of the logit's signal variance that comes from the sequence part; ``signal_scale`` the standard deviation of
   the whole signal in logit units; the bias is solved so that the positive rate is ``positive_rate``. The
-  standardisation and the bias are calibrated on a pilot (the first ``calibration_users`` users, a few fixed-point
-  rounds since clicks feed the interest state), so they depend only on the parameters and the seed.
+  standardisation and the bias are calibrated on a pilot draw of ``calibration_users`` users who are not in the
+  log (ids from ``PILOT_ID0``; a few fixed-point rounds since clicks feed the interest state), so they depend only
+  on the parameters and the seed, and no row of the log, in any period, is used to fit them.
 * Users have side features ``segment`` (their favourite category, informative) and ``region`` (noise); items
   have ``category`` (informative).
 
@@ -291,16 +292,26 @@ def _solve_bias(offset: np.ndarray, rate: float) -> float:
     return 0.5 * (lo + hi)
 
 
+# Bumped whenever the same config gives other rows (2: the calibration pilot left the log), so caches keyed on the
+# config (the evaluation's data sets) regenerate instead of serving rows of an older generator.
+GENERATOR_VERSION = 2
+
+# Pilot users' ids: far beyond any population the generator makes, so the pilot is an independent draw of the same
+# process and never one of the log's users (whose test-period rows would otherwise fit a generator parameter).
+PILOT_ID0 = 1 << 40
+
+
 def calibrate(cfg: SynthConfig, world: _World) -> Calibration:
-    """Standardisation of the label's two parts and the bias for ``positive_rate``, from a pilot of the first
-    ``calibration_users`` users; repeated ``calibration_rounds`` times because clicks move the interest state."""
-    n = min(cfg.users, cfg.calibration_users)
+    """Standardisation of the label's two parts and the bias for ``positive_rate``, from a pilot draw of
+    ``calibration_users`` users outside the log (ids ``PILOT_ID0 + 1 ...``); repeated ``calibration_rounds`` times
+    because clicks move the interest state."""
+    n = cfg.calibration_users
     calib = Calibration()
     a_s = cfg.signal_scale * math.sqrt(1.0 - cfg.sequence_share)
     a_d = cfg.signal_scale * math.sqrt(cfg.sequence_share)
     for _ in range(cfg.calibration_rounds):
         raw: list = []
-        _generate_chunk(cfg, world, 0, n, calib, raw)
+        _generate_chunk(cfg, world, PILOT_ID0, PILOT_ID0 + n, calib, raw)
         if not raw:
             return calib
         st = np.concatenate([r[0] for r in raw])
@@ -398,7 +409,7 @@ def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -
     ev.write_table(pa.table({"item_id": np.arange(1, cfg.items + 1, dtype=np.int64),
                              "category": (world.category + 1).astype(np.int32)}), out / "items.parquet")
     manifest = {
-        "source": "synthetic", "config": asdict(cfg), "events": n_rows, "users_with_events": n_users,
+        "source": "synthetic", "generator_version": GENERATOR_VERSION, "config": asdict(cfg), "events": n_rows, "users_with_events": n_users,
         "positive_rate": n_pos / max(n_rows, 1), "pair_recurrence_24h": n_rec / max(n_rows, 1),
         "consecutive_requests_within_10min": float(gaps[0] / max(gaps[1], 1)), "calibration": asdict(calib),
         "rejected": 0, "seconds": round(time.perf_counter() - t0, 2),

@@ -132,8 +132,11 @@ def _data(cfg: EvalConfig, out: Path, share: float | None = None) -> Path:
     sc = cfg.synth if share is None else replace(cfg.synth, sequence_share=share)
     root = out / f"data-seq{sc.sequence_share:g}"
     stamp = root / "manifest.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("config") == json.loads(json.dumps(asdict(sc))):
-        return root
+    if stamp.exists():
+        made = json.loads(stamp.read_text())
+        if (made.get("config") == json.loads(json.dumps(asdict(sc)))
+                and made.get("generator_version") == synth.GENERATOR_VERSION):
+            return root
     if root.exists():
         shutil.rmtree(root)
     synth.generate(sc, root)
