@@ -409,7 +409,8 @@ def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -
     ev.write_table(pa.table({"item_id": np.arange(1, cfg.items + 1, dtype=np.int64),
                              "category": (world.category + 1).astype(np.int32)}), out / "items.parquet")
     manifest = {
-        "source": "synthetic", "generator_version": GENERATOR_VERSION, "config": asdict(cfg), "events": n_rows, "users_with_events": n_users,
+        "source": "synthetic", "generator_version": GENERATOR_VERSION, "config": asdict(cfg), "events": n_rows,
+        "users_with_events": n_users,
         "positive_rate": n_pos / max(n_rows, 1), "pair_recurrence_24h": n_rec / max(n_rows, 1),
         "consecutive_requests_within_10min": float(gaps[0] / max(gaps[1], 1)), "calibration": asdict(calib),
         "rejected": 0, "seconds": round(time.perf_counter() - t0, 2),
