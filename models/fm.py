@@ -71,19 +71,29 @@ class FoundationModel(nn.Module):
         keep = (~pad).unsqueeze(-1).float()
         return (enc * keep).sum(1) / keep.sum(1)                            # (B, d); empty token always kept
 
-    def forward(self, b: dict) -> dict:
+    def forward(self, b: dict, rows: torch.Tensor | None = None) -> dict:
         """b: batch tensors (see ``solaris_jobs.core.model_inputs.Examples.batch``).
+
+        Args:
+            rows: None, or a (B,) int64 index into the history inputs (``hist_*``), which then hold one row per
+                distinct history (U, L): batch row j reads history ``rows[j]``. The history encoder (the costly
+                part, independent of the target) then runs U times instead of B, and only target attention and
+                the trunk run per row; the outputs are those of the batch with each row's history repeated. The
+                refresh's FM inference passes it: every pair of a user shares the user's history at the cutoff.
 
         Returns:
             ``logit`` (B,), ``rating`` (B,), ``h`` the interaction embedding (B, d_interaction).
         """
         enc, pad = self.encode_history(b)
+        mean = self._mean(enc, pad)
+        if rows is not None:
+            enc, pad, mean = enc[rows], pad[rows], mean[rows]
         target = self.items(b["item"])                                      # (B, d)
         scores = torch.einsum("bd,bld->bl", self.query(target), enc) / enc.shape[-1] ** 0.5
         attn = scores.masked_fill(pad, float("-inf")).softmax(-1)
         attended = torch.einsum("bl,bld->bd", attn, enc)                    # (B, d)
         user = self.users(b["user"])
-        z = torch.cat([target, attended, self._mean(enc, pad), user, target * attended, counter_features(b)], -1)
+        z = torch.cat([target, attended, mean, user, target * attended, counter_features(b)], -1)
         h = self.trunk(z)                                                   # (B, d_interaction)
         return {"logit": self.label_head(h).squeeze(-1), "rating": 1.0 + 4.0 * torch.sigmoid(
             self.rating_head(h).squeeze(-1)), "h": h}

@@ -74,3 +74,20 @@ def test_version_changes_with_weights():
     with torch.no_grad():
         fm.label_head.bias += 1
     assert model_version(fm) != v1
+
+
+def test_fm_with_shared_histories_equals_the_repeated_batch():
+    """The refresh's inference path: each distinct history encoded once (``rows`` maps batch rows to histories)
+    gives the outputs of the batch with every row's history repeated."""
+    fm, b = _fm(), _batch(B=7)
+    rows = torch.tensor([0, 0, 2, 2, 2, 5, 6])
+    hist = {k: b[k] for k in ("hist_item", "hist_signal", "hist_gap")}
+    repeated = {**b, **{k: v[rows] for k, v in hist.items()}}
+    with torch.inference_mode():
+        ref = fm(repeated)
+        got = fm(b, rows=rows)               # b's 7 history rows, of which rows reads 0, 2, 5 and 6
+        distinct = fm({**b, **{k: v[[0, 2, 5, 6]] for k, v in hist.items()}}, rows=torch.tensor([0, 0, 1, 1, 1, 2, 3]))
+    for out in (got, distinct):
+        for k in ("logit", "rating", "h"):
+            torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(fm(b)["h"], ref["h"])          # the rows do read other histories than b's own

@@ -176,9 +176,10 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     source = event_source(events, s.data)
     prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days)
     uc, ic = pc.counters(prior)
-    pairs = pc.with_counters(selected, uc, ic).join(pc.user_histories(prior, cfg.history_len), "user_id", "left")
-    pairs = pairs.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id", "item_id")
-    out = pc.embed_pairs(pairs, models, T, cfg).persist()
+    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(prior, cfg.history_len),
+                                                                       "user_id", "left")
+    users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
+    out = pc.embed_pairs(users, models, T, cfg).persist()
     good = out.where(F.col("reject_reason").isNull()).drop("reject_reason")
     bad = out.where(F.col("reject_reason").isNotNull()).select("user_id", "item_id",
                                                                F.col("reject_reason").alias("reason"))

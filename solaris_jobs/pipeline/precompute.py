@@ -353,9 +353,12 @@ def user_histories(prior, history_len: int):
 
 
 HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
+USER_COUNTER_COLS = [f"user_{k}" for k in ("cnt", "known", "pos")]
+PAIR_COLS = ["item_id", *[f"item_{k}" for k in ("cnt", "known", "pos")]]
 
 
 def _examples(pdf: pd.DataFrame, at_us: int, history_len: int):
+    """Examples at one time for the rows of ``pdf`` (user_id, history arrays; item_id where it has one)."""
     from solaris_jobs.core.model_inputs import history_examples
     first = pdf.drop_duplicates("user_id")
     lens = np.array([0 if h is None else len(h) for h in first["hist_item"]], dtype=np.int64)
@@ -379,14 +382,38 @@ def _nonfinite(*finite) -> np.ndarray:
     return out
 
 
-def embed_pairs(pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
+def pairs_by_user(pairs):
+    """One row per user from pairs with counter columns (``with_counters``): user_id, the user's counters, and the
+    user's pairs as parallel arrays sorted by item (``PAIR_COLS``: item_id and the item's counters). The FM's
+    inference reads each user's history once, so a user's pairs travel together, with the history once."""
+    from pyspark.sql import functions as F
+    per = F.sort_array(F.collect_list(F.struct(*PAIR_COLS))).alias("p")
+    return pairs.groupBy("user_id", *USER_COUNTER_COLS).agg(per).select(
+        "user_id", *USER_COUNTER_COLS, *[F.col("p")[c].alias(c) for c in PAIR_COLS])
+
+
+def user_batches(n_pairs: np.ndarray, batch_size: int) -> list[slice]:
+    """Consecutive users in batches of about ``batch_size`` pairs: a user goes to the batch its first pair falls in
+    (a batch holds fewer than ``batch_size`` + the user's pairs), never split."""
+    if not len(n_pairs):
+        return []
+    bid = (np.cumsum(n_pairs) - n_pairs) // max(int(batch_size), 1)
+    cuts = np.flatnonzero(np.diff(bid)) + 1
+    edges = [0, *cuts.tolist(), len(n_pairs)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
     """Pair embeddings: FM interaction embedding -> autoencoder code, in the pair-embedding contract.
 
+    Each user's history is encoded once per batch and only target attention and the trunk run per pair
+    (``FoundationModel.forward(rows=...)``): the outputs of running the FM on every pair, at a fraction of the work.
+
     Args:
-        pairs: (user_id, item_id, counter columns, history arrays) — see ``with_counters`` and
-            ``user_histories``.
+        user_pairs: one row per user (``pairs_by_user`` joined with ``user_histories``): user_id, the user's
+            counters, its pairs' arrays (``PAIR_COLS``) and its history arrays (null: no history).
         models: the run's FM and autoencoder; their ``embedding_version`` is written with each row.
-        cfg: ``history_len`` must be the FM's (``model_refs.resolve`` checks it).
+        cfg: ``history_len`` must be the FM's (``model_refs.resolve`` checks it); ``batch_size`` counts pairs.
 
     Returns:
         (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version, reject_reason): the
@@ -411,21 +438,27 @@ def embed_pairs(pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
         fm, _, dev = load(fm_ref, device, threads)
         ae, _, _ = load(ae_ref, device, threads)
         for pdf in frames:
-            for s in range(0, len(pdf), batch_size):
-                part = pdf.iloc[s: s + batch_size]
-                ex = _examples(part, at_us, L)
-                b = ex.batch(np.arange(len(part)))
-                b.update({c: part[c].to_numpy(np.float32) for c in COUNTER_COLS})
+            n_pairs = pdf["item_id"].map(len).to_numpy(np.int64)
+            for users in user_batches(n_pairs, batch_size):
+                part, n = pdf.iloc[users], n_pairs[users]
+                ex = _examples(part.drop(columns="item_id"), at_us, L)
+                b = ex.index.history(ex.users, ex.ts, L)                   # (U, L): one history per user
+                b["user"] = np.repeat(ex.users, n)
+                b.update({c: np.repeat(part[c].to_numpy(np.float32), n) for c in USER_COUNTER_COLS})
+                b.update({c: np.concatenate(part[c].to_list()).astype(np.int64 if c == "item_id" else np.float32)
+                          for c in PAIR_COLS})
+                b["item"] = b.pop("item_id")
+                rows = torch.as_tensor(np.repeat(np.arange(len(part)), n), device=dev)
                 with torch.inference_mode():
-                    h = fm(batch_to_tensors(b, dev))["h"]
+                    h = fm(batch_to_tensors(b, dev), rows=rows)["h"]
                     code = ae.encode(h)
                     finite = (torch.isfinite(h).all(1).cpu().numpy(), torch.isfinite(code).all(1).cpu().numpy())
                     code = code.float().cpu().numpy()
-                yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "item_id": part["item_id"].to_numpy(),
-                                    "embedding": list(code), "event_timestamp": at, "model_version": version,
+                yield pd.DataFrame({"user_id": b["user"], "item_id": b["item"], "embedding": list(code),
+                                    "event_timestamp": at, "model_version": version,
                                     "reject_reason": reasons[_nonfinite(*finite)]})
 
-    return pairs.mapInPandas(embed, schema)
+    return user_pairs.mapInPandas(embed, schema)
 
 
 def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig):
