@@ -180,7 +180,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
                                                                        "user_id", "left")
     users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
     out = pc.embed_pairs(users, models, T, cfg).persist()
-    good = out.where(F.col("reject_reason").isNull()).drop("reject_reason")
+    good = out.where(F.col("reject_reason").isNull()).drop("reject_reason", "model_s")
     bad = out.where(F.col("reject_reason").isNotNull()).select("user_id", "item_id",
                                                                F.col("reject_reason").alias("reason"))
     staged = off.stage(good, s.offline, "pair_embeddings", T)
@@ -188,19 +188,23 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     n = spark.read.parquet(staged.path).count()
     rejected = {r["reason"]: r["count"] for r in spark.read.parquet(staged_bad.path).groupBy("reason").count()
                 .collect()}
+    model_s = out.agg(F.sum("model_s")).first()[0] or 0.0
     out.unpersist()
     _publish(staged_bad, {"interval_end": T.isoformat(), "rows": sum(rejected.values()), "rejected": rejected},
              clock)
     seconds = time.perf_counter() - t0
     stats = {"interval_end": T.isoformat(), "pairs": n, "model_version": version, "seconds": round(seconds, 2),
              "pairs_per_s": round(n / seconds, 1) if seconds else None, "batch_size": cfg.batch_size,
+             # The FM and the encoder inside the executors (summed over tasks), apart from reading and writing.
+             "model_seconds": round(model_s, 3), "model_pairs_per_s": round(n / model_s, 1) if model_s else None,
              "rejected": rejected, "models": models.to_dict()}
     _publish(staged, stats, clock)
     if rejected:
         logger.warning("fm inference %s: set aside %s (not finite): %s", T, rejected,
                        off.interval_uri(s.offline, "embedding_rejects", T))
-    logger.info("fm inference %s: %d pairs in %.1fs (%.0f pairs/s, includes reading and writing)", T, n, seconds,
-                n / seconds if seconds else 0)
+    logger.info("fm inference %s: %d pairs in %.1fs (%.0f pairs/s, includes reading and writing; the model %.1fs "
+                "of task time, %.0f pairs/s)", T, n, seconds, n / seconds if seconds else 0, model_s,
+                n / model_s if model_s else 0)
     return stats
 
 

@@ -13,6 +13,7 @@ driver except the FAISS step in ``solaris_jobs.pipeline.knn``.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pandas as pd
@@ -416,15 +417,17 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
         cfg: ``history_len`` must be the FM's (``model_refs.resolve`` checks it); ``batch_size`` counts pairs.
 
     Returns:
-        (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version, reject_reason): the
-        reason (``NONFINITE_REASONS``) is null for rows in the contract; the job writes the others aside.
+        (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version, reject_reason,
+        model_s): the reason (``NONFINITE_REASONS``) is null for rows in the contract, and the job writes the others
+        aside; ``model_s`` is the row's share of its batch's time in the FM and the encoder (summed: the model's
+        time inside the executors, apart from reading, batching and writing).
     """
-    from pyspark.sql.types import (ArrayType, FloatType, LongType, StringType, StructField, StructType,
+    from pyspark.sql.types import (ArrayType, DoubleType, FloatType, LongType, StringType, StructField, StructType,
                                    TimestampType)
     schema = StructType([StructField("user_id", LongType()), StructField("item_id", LongType()),
                          StructField("embedding", ArrayType(FloatType())),
                          StructField("event_timestamp", TimestampType()), StructField("model_version", StringType()),
-                         StructField("reject_reason", StringType())])
+                         StructField("reject_reason", StringType()), StructField("model_s", DoubleType())])
     at = pd.Timestamp(cutoff)
     at_us = at.value // 1000
     batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
@@ -449,14 +452,16 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
                           for c in PAIR_COLS})
                 b["item"] = b.pop("item_id")
                 rows = torch.as_tensor(np.repeat(np.arange(len(part)), n), device=dev)
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     h = fm(batch_to_tensors(b, dev), rows=rows)["h"]
                     code = ae.encode(h)
                     finite = (torch.isfinite(h).all(1).cpu().numpy(), torch.isfinite(code).all(1).cpu().numpy())
                     code = code.float().cpu().numpy()
+                model_s = (time.perf_counter() - t0) / max(len(code), 1)
                 yield pd.DataFrame({"user_id": b["user"], "item_id": b["item"], "embedding": list(code),
                                     "event_timestamp": at, "model_version": version,
-                                    "reject_reason": reasons[_nonfinite(*finite)]})
+                                    "reject_reason": reasons[_nonfinite(*finite)], "model_s": model_s})
 
     return user_pairs.mapInPandas(embed, schema)
 
