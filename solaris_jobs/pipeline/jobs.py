@@ -174,7 +174,8 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     version = models.embedding_version
     selected = off.read_interval(spark, s.offline, "selection", T).where("selected").select("user_id", "item_id")
     source = event_source(events, s.data)
-    prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days)
+    # Read once: the counters and the histories both come from it.
+    prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days).cache()
     uc, ic = pc.counters(prior)
     users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(prior, cfg.history_len),
                                                                        "user_id", "left")
@@ -189,7 +190,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     rejected = {r["reason"]: r["count"] for r in spark.read.parquet(staged_bad.path).groupBy("reason").count()
                 .collect()}
     model_s = out.agg(F.sum("model_s")).first()[0] or 0.0
-    out.unpersist()
+    out.unpersist(), prior.unpersist()
     _publish(staged_bad, {"interval_end": T.isoformat(), "rows": sum(rejected.values()), "rejected": rejected},
              clock)
     seconds = time.perf_counter() - t0
