@@ -29,6 +29,34 @@ def _read(spark, job, dataset):
     return off.read_interval(spark, job.offline, dataset, ML_END).toPandas()
 
 
+def test_spark_reads_only_the_days_of_its_bounds(spark, tmp_path):
+    """A local log's reader lists and opens only the day folders that can hold events of the bounds (a run over a
+    long log reads its lookback, not the log), with the rows of the pyarrow reader; no day in range: no rows."""
+    from solaris_jobs.pipeline.spark import event_folders
+    t = pd.Timestamp("2026-01-01T00:00:00Z")
+    stamps = [t + pd.Timedelta(minutes=m) for m in (0, 59, 60, 61, 600, 24 * 60 + 5, 3 * 24 * 60)]
+    ev.write_events(ev.conform(pd.DataFrame({"user_id": range(1, 8), "item_id": range(11, 18),
+                                             "event_timestamp": stamps, "label": 1})), tmp_path)
+    (tmp_path / "events" / "_SUCCESS").touch()                      # not a partition: ignored
+    base = tmp_path / "events"
+    bounds = [(None, None), ("2026-01-01T01:00:00Z", None), ("2026-01-01T00:30:00Z", "2026-01-01T10:00:01Z"),
+              (None, "2026-01-02T00:05:00Z"), ("2026-01-02T01:00:00Z", "2026-01-04T00:00:00Z")]
+    folders = {b: [Path(p).relative_to(tmp_path).as_posix() for p in event_folders(base, *b)] for b in bounds}
+    assert folders[bounds[0]] == folders[bounds[1]] == ["events"]                # every day: the log itself
+    assert folders[bounds[2]] == ["events/date=2026-01-01"]
+    assert folders[bounds[3]] == ["events/date=2026-01-01", "events/date=2026-01-02"]
+    assert folders[bounds[4]] == ["events/date=2026-01-02"]
+    for b in bounds:
+        df = read_events_df(spark, str(tmp_path), *b)
+        opened = {Path(f.removeprefix("file:")).parent.parent.name for f in df.inputFiles()}
+        assert opened == {p.split("/")[-1] for p in folders[b]} or folders[b] == ["events"], (b, opened)
+        got = df.toPandas().sort_values("user_id")["user_id"].tolist()
+        assert got == ev.read_events(tmp_path, *b).to_pandas()["user_id"].tolist(), b
+    empty = read_events_df(spark, str(tmp_path), "2026-01-03T00:00:00Z", "2026-01-04T00:00:00Z")
+    assert empty.columns == ev.EVENT_SCHEMA.names and empty.count() == 0
+    assert event_folders("s3a://bucket/events") is None                     # not local: Spark lists it
+
+
 def test_spark_candidates_equal_the_request_simulator(spark, movielens_root):
     cfg = SimulatorConfig(n_candidates=40, n_popular=15, covisit_window=2, covisit_top=20)
     T = pd.Timestamp("1998-02-01T00:00:00Z")

@@ -82,6 +82,15 @@ def _with_history_len(s: Settings, models: model_refs.ModelSet):
     return replace(s.precompute, history_len=models.check_history_len(s.precompute.history_len))
 
 
+def read_from(T: pd.Timestamp, lookback_days: float | None, start=None) -> pd.Timestamp | None:
+    """The earliest event time a step reads for the cutoff T: the lookback's start (None: the whole log), or the
+    interval's ``start`` when that is earlier (the selection sets the interval's bad rows aside)."""
+    if lookback_days is None:
+        return None
+    first = T - pd.Timedelta(days=lookback_days)
+    return min(first, to_utc(start)) if start is not None else first
+
+
 def select(spark, s: Settings, start, end, *, events=None, models=None, clock=None) -> dict:
     """Candidate selection: active users (+ missed), request-simulator candidates, negative exclusion, verifier
     scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval."""
@@ -92,7 +101,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     vm = (models.vm if models is not None and models.vm is not None
           else model_refs.resolve(s.models, ("vm",)).vm)
     source = event_source(events, s.data)
-    ev = source.spark(spark, end=T)
+    ev = source.spark(spark, start=read_from(T, cfg.lookback_days, start), end=T)
     prior = pc.prior_events(ev, T, cfg.lookback_days).cache()
     # Bad rows of the interval itself are set aside with their reason (earlier ones were, by earlier runs).
     _, bad = pc.split_bad_events(ev.where(F.col("event_timestamp") >= F.lit(start.to_pydatetime())))
@@ -175,7 +184,8 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     selected = off.read_interval(spark, s.offline, "selection", T).where("selected").select("user_id", "item_id")
     source = event_source(events, s.data)
     # Read once: the counters and the histories both come from it.
-    prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days).cache()
+    prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
+                            cfg.lookback_days).cache()
     uc, ic = pc.counters(prior)
     users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(prior, cfg.history_len),
                                                                        "user_id", "left")
@@ -245,7 +255,7 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     cfg = _with_history_len(s, models)
     version = models.embedding_version
     source = event_source(events, s.data)
-    prior = pc.prior_events(source.spark(spark, end=T), T, cfg.lookback_days)
+    prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T, cfg.lookback_days)
     uemb = pc.embed_users(pc.user_histories(prior, cfg.history_len), models.fm, T, cfg).persist()
     staged = off.stage(uemb.where(F.col("reject_reason").isNull()).drop("reject_reason"), s.offline,
                        "user_embeddings", T)

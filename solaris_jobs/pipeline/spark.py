@@ -85,12 +85,44 @@ def parallelism(spark) -> int:
         return max(int(conf), 1)
 
 
+def event_folders(base, start=None, end=None) -> list[str] | None:
+    """What Spark should list of a local event log for events of ``[start, end)``: the day folders
+    (``date=YYYY-MM-DD``) that can hold them, or ``[base]`` when that is every day of the log; None when ``base`` is
+    not a local folder (then Spark lists all of it). Only folder names are read here, so a run over a long log lists
+    and opens its lookback's days, not the log. (Days, not hours: passing Spark thousands of folders costs more
+    than listing them; the time filter drops the boundary days' other hours.)"""
+    import re
+    from pathlib import Path
+
+    import pandas as pd
+
+    from solaris_jobs.core import events as ev
+    root = Path(str(base).removeprefix("file://"))
+    if "://" in str(base).removeprefix("file://") or not root.is_dir():
+        return None
+    lo = ev.to_utc(start) if start is not None else None
+    hi = ev.to_utc(end) if end is not None else None
+    days = [d for d in sorted(root.iterdir()) if d.is_dir() and re.fullmatch(r"date=\d{4}-\d{2}-\d{2}", d.name)]
+
+    def overlaps(d):
+        t = pd.Timestamp(d.name.removeprefix("date="), tz="UTC")
+        return (lo is None or t + pd.Timedelta(days=1) > lo) and (hi is None or t < hi)
+
+    keep = [d for d in days if overlaps(d)]
+    return [str(root)] if keep and len(keep) == len(days) else [str(d) for d in keep]
+
+
 def read_events_df(spark, root: str, start=None, end=None):
-    """Events with start <= event_timestamp < end as a Spark DataFrame (partition columns dropped)."""
+    """Events with start <= event_timestamp < end as a Spark DataFrame (partition columns dropped). Of a local log
+    only the days of the bounds are listed and read (``event_folders``)."""
     from pyspark.sql import functions as F
 
     from solaris_jobs.core import events as ev
-    df = spark.read.option("basePath", str(ev.events_dir(root))).parquet(str(ev.events_dir(root)))
+    base = str(ev.events_dir(root))
+    folders = event_folders(base, start, end)
+    if folders is not None and not folders:
+        return spark.createDataFrame(ev.EVENT_SCHEMA.empty_table()).select(*ev.EVENT_SCHEMA.names)
+    df = spark.read.option("basePath", base).parquet(*(folders if folders is not None else [base]))
     if start is not None:
         s = ev.to_utc(start)
         df = df.where(F.col("date") >= F.lit(s.date())).where(F.col("event_timestamp") >= F.lit(s.to_pydatetime()))
