@@ -1,5 +1,5 @@
 """What the tests (and the benchmarks) share: real servers on 127.0.0.1 and a free port picked at run time, stopped
-afterwards (Redis, Redis Cluster, Spark standalone, Spark Connect); comparing offline outputs row for row
+afterwards (Redis, Redis Cluster, Spark standalone; Spark Connect is ``solaris_jobs.dev.spark_connect``); comparing offline outputs row for row
 (``python -m tests.support A B`` compares two offline stores); tiny models; the MovieLens test interval.
 Fixtures live in ``conftest.py``; tests import helpers from here, never from ``conftest``.
 """
@@ -20,6 +20,7 @@ import pandas as pd
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import PrecomputeConfig, SimulatorConfig
 from solaris_jobs.dev.ports import free_port
+from solaris_jobs.dev.spark_connect import SparkConnectServer  # noqa: F401  (the tests' Spark Connect)
 
 # ------------------------------------------------------------------------------------------------ MovieLens interval
 
@@ -123,38 +124,6 @@ class SparkStandalone:
     def __exit__(self, *exc):
         for p in reversed(self.procs):
             stop(p)
-
-
-class SparkConnectServer:
-    """A Spark Connect server (``local[2]``) on 127.0.0.1 and a free port: what a client with ``--master
-    sc://...`` talks to. Spark Connect mode holds for a whole Python process, so clients run in subprocesses."""
-
-    def __init__(self, workdir: Path):
-        self.workdir = Path(workdir)
-        self.port = free_port()
-        self.url = f"sc://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self):
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / "connect.log"
-        submit = str(Path(sys.executable).parent / "spark-submit")
-        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
-        self.proc = subprocess.Popen(
-            [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", "local[2]",
-             "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-             "--conf", f"spark.connect.grpc.binding.port={self.port}", "--conf", "spark.ui.enabled=false",
-             "--conf", "spark.driver.host=127.0.0.1", "--driver-memory", "2g", "spark-internal"],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        _wait_for(lambda: "Spark Connect server started" in log.read_text() or self.proc.poll() is not None, 120,
-                  "Spark Connect server", log)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"Spark Connect server exited:\n{log.read_text()[-3000:]}")
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc is not None:
-            stop(self.proc)
 
 
 class RedisServer:

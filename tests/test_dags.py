@@ -210,9 +210,10 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
 
 
 def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
-    """API server, scheduler, DAG processor and triggerer as real processes on free ports. One run is triggered
-    and watched through the REST API, the interval before it is backfilled with Airflow's own
-    `airflow backfill create`; every task runs in its own process (LocalExecutor), Spark included."""
+    """API server, scheduler, DAG processor and triggerer as real processes on free ports, and the Spark Connect
+    server `solaris airflow` starts beside them. One run is triggered and watched through the REST API, the
+    interval before it is backfilled with Airflow's own `airflow backfill create`; every task runs in its own
+    process (LocalExecutor), and the Spark steps connect to the one long-lived Spark instead of starting a JVM."""
     from solaris_jobs.dev.airflow_local import LocalAirflow
     from solaris_jobs.online import store_config
     from solaris_jobs.online.materialize import materialized_intervals
@@ -221,7 +222,8 @@ def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
            "SOLARIS_END_DATE": ML_END.isoformat(), "SOLARIS_SPARK_MASTER": "local[2]",
            "SOLARIS_SPARK_DRIVER_MEMORY": "1g", "SOLARIS_RETRIES": "0"}
     earlier = ML_END - 2 * HOUR                       # logical date = start of the interval [earlier, ML_END - 1h)
-    with LocalAirflow(tmp_path / "airflow", env=env, parallelism=2) as af:
+    with LocalAirflow(tmp_path / "airflow", env=env, parallelism=2, spark_connect=True) as af:
+        connect = af.spark.url
         af.wait_for_dag("solaris_refresh")
         run_id = af.trigger("solaris_refresh", (ML_END - HOUR).isoformat(), ML_END.isoformat())
         res = af.cli("backfill", "create", "--dag-id", "solaris_refresh", "--from-date", earlier.isoformat(),
@@ -236,6 +238,11 @@ def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
             assert state == "success", (states, sorted((tmp_path / "airflow" / "logs").rglob("*.log"))[-3:])
     for tasks in states.values():
         assert set(tasks.values()) == {"success"} and len(tasks) == 8
+    assert af.spark is not None and af.spark.proc is None                     # stopped with Airflow
+    logs = {p.parent.name.removeprefix("task_id="): p.read_text(errors="replace")
+            for p in (tmp_path / "airflow" / "logs").rglob("*.log") if "task_id=" in str(p)}
+    spark_tasks = {t for t, text in logs.items() if f"Spark Connect session at {connect}" in text}
+    assert {"select", "embed", "aggregate", "neighbours"} <= spark_tasks, sorted(logs)
     cfg = store_config.load(ROOT / "feature_repo", yaml_path)
     done = materialized_intervals(cfg)
     assert {ML_END - HOUR, ML_END} <= set(done)

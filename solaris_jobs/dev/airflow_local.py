@@ -2,8 +2,13 @@
 processes, LocalExecutor, SQLite metadata DB under ``home``, bound to 127.0.0.1. Used by ``solaris airflow``
 (``make airflow``) and by the test that triggers the refresh DAG through the REST API.
 
-Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor); this is the
-project's DAGs under the real services, for trying them out and for tests.
+With ``spark_connect=True`` a Spark Connect server starts first (``solaris_jobs.dev.spark_connect``) and every
+Airflow process gets ``SOLARIS_SPARK_MASTER=sc://...`` of it: the refresh's Spark steps then share one long-lived
+Spark instead of each task starting its own JVM. Its master and driver memory are ``SOLARIS_SPARK_MASTER`` (a
+``local[...]`` or cluster master; default ``local[2]``) and ``SOLARIS_SPARK_DRIVER_MEMORY`` of ``env``.
+
+Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor) and their cluster's
+Spark (Connect) endpoint; this is the project's DAGs under the real services, for trying them out and for tests.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ SQLITE_CONNECT_ARGS = {"timeout": 30}
 
 class LocalAirflow:
     def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
-                 user: str = "admin", password: str | None = None, parallelism: int = 4):
+                 user: str = "admin", password: str | None = None, parallelism: int = 4,
+                 spark_connect: bool = False):
         self.home = Path(home).resolve()
         self.port = port or free_port()
         self.user, self.password = user, password or secrets.token_urlsafe(12)
@@ -38,6 +44,15 @@ class LocalAirflow:
         self.parallelism = parallelism
         self.procs: list[subprocess.Popen] = []
         self._token = None
+        self.spark = None
+        if spark_connect:
+            from solaris_jobs.dev.spark_connect import SparkConnectServer
+            master = {**os.environ, **self.extra_env}.get("SOLARIS_SPARK_MASTER") or "local[2]"
+            if master.startswith("sc://"):
+                raise ValueError(f"SOLARIS_SPARK_MASTER is already a Spark Connect endpoint ({master}): "
+                                 f"use it without spark_connect")
+            memory = {**os.environ, **self.extra_env}.get("SOLARIS_SPARK_DRIVER_MEMORY") or "2g"
+            self.spark = SparkConnectServer(self.home / "spark-connect", master=master, driver_memory=memory)
 
     @property
     def url(self) -> str:
@@ -65,7 +80,8 @@ class LocalAirflow:
                 "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
-                "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs")}
+                "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
+                **({"SOLARIS_SPARK_MASTER": self.spark.url} if self.spark is not None else {})}
 
     def _secret(self) -> str:
         path = self.home / "jwt_secret"
@@ -84,8 +100,11 @@ class LocalAirflow:
     def start(self, timeout: float = 120) -> "LocalAirflow":
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({self.user: self.password}))
+        if self.spark is not None:
+            self.spark.start()
         res = self.cli("db", "migrate", timeout=600)
         if res.returncode != 0:
+            self.stop()
             raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
         self._spawn("scheduler", ["scheduler", "--skip-serve-logs"])
@@ -169,7 +188,8 @@ class LocalAirflow:
         return {t["task_id"]: t["state"] for t in tis}
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL of each service's process group (a running task ignores SIGTERM)."""
+        """SIGTERM, then SIGKILL of each service's process group (a running task ignores SIGTERM); then the Spark
+        Connect server, if this started one."""
         for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -187,6 +207,8 @@ class LocalAirflow:
                 pass
             p.wait(10)
         self.procs.clear()
+        if self.spark is not None:
+            self.spark.stop()
 
     def __enter__(self):
         return self.start()

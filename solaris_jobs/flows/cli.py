@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -438,16 +439,22 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
 @click.option("--home", default="artifacts/airflow", type=click.Path(file_okay=False), help="AIRFLOW_HOME.")
 @click.option("--port", default=8080, help="API server and UI port on 127.0.0.1 (0: a free one).")
 @click.option("--password", default=None, help="UI password for user admin (default: generated, printed).")
-def airflow_cmd(home, port, password) -> None:
+@click.option("--spark-connect/--no-spark-connect", default=True, show_default=True,
+              help="Start a Spark Connect server (on SOLARIS_SPARK_MASTER's master, default local[2]) and point the "
+                   "tasks at it, so that the Spark steps share one Spark instead of each starting a JVM.")
+def airflow_cmd(home, port, password, spark_connect) -> None:
     """Start Airflow for real with the project's DAGs: API server + UI, scheduler, DAG processor, triggerer
-    (LocalExecutor, SQLite). The SOLARIS_* settings of this shell are passed to the tasks. Ctrl-C stops it."""
+    (LocalExecutor, SQLite), and a Spark Connect server for the tasks. The SOLARIS_* settings of this shell are
+    passed to the tasks. Ctrl-C stops it."""
     import time
 
     from solaris_jobs.dev.airflow_local import LocalAirflow
-    af = LocalAirflow(home, port or None, password=password).start()
-    click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}")
+    spark_connect = spark_connect and not os.environ.get("SOLARIS_SPARK_MASTER", "").startswith("sc://")
+    af = LocalAirflow(home, port or None, password=password, spark_connect=spark_connect).start()
+    click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}"
+               + (f"; Spark Connect at {af.spark.url}" if af.spark else ""))
     try:
-        while all(p.poll() is None for p in af.procs):
+        while all(p.poll() is None for p in af.procs) and (af.spark is None or af.spark.proc.poll() is None):
             time.sleep(2)
         click.echo("an Airflow service exited; stopping", err=True)
     except KeyboardInterrupt:

@@ -1,0 +1,80 @@
+"""A long-lived Spark for the refresh's tasks: a Spark Connect server on 127.0.0.1 and a free port.
+
+``solaris airflow`` starts one beside the scheduler and points the tasks at it (``SOLARIS_SPARK_MASTER=sc://...``),
+so that the four Spark steps of a refresh connect to one running Spark instead of each starting a JVM (and, with
+Python worker reuse, the executors' model cache outlives a task). A deployment runs its cluster's Spark Connect
+endpoint instead and sets ``SOLARIS_SPARK_MASTER`` to it. The tests use this class too.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from solaris_jobs.dev.ports import free_port
+
+
+class SparkConnectServer:
+    """``spark-submit --class ...SparkConnectServer`` with ``master`` as its Spark (``local[2]`` by default), bound to
+    127.0.0.1 on ``port`` (a free one by default); its log is ``<workdir>/connect.log``. Spark Connect mode holds for
+    a whole Python process, so clients run in other processes (Airflow's tasks, subprocesses in the tests)."""
+
+    def __init__(self, workdir: str | os.PathLike, master: str = "local[2]", driver_memory: str = "2g",
+                 port: int | None = None, conf: dict | None = None):
+        self.workdir = Path(workdir)
+        self.master, self.driver_memory = master, driver_memory
+        self.port = port or free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self.conf = dict(conf or {})
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "connect.log"
+
+    def start(self, timeout: float = 120) -> "SparkConnectServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        submit = str(Path(sys.executable).parent / "spark-submit")
+        conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(self.port),
+                "spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1", **self.conf}
+        args = [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", self.master,
+                *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")], "--driver-memory", self.driver_memory,
+                "spark-internal"]
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "Spark Connect server started" in self.log.read_text(errors="replace"):
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Spark Connect server exited ({self.proc.returncode}):\n"
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the Spark Connect server did not start within {timeout:.0f}s; see {self.log}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, then SIGKILL to whatever of it is left (Python workers)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
