@@ -36,8 +36,9 @@ SQLITE_CONNECT_ARGS = {"timeout": 30}
 class LocalAirflow:
     def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
                  user: str = "admin", password: str | None = None, parallelism: int = 4,
-                 spark_connect: bool = False):
+                 spark_connect: bool = False, dags_folder: str | os.PathLike | None = None):
         self.home = Path(home).resolve()
+        self.dags_folder = Path(dags_folder).resolve() if dags_folder else DAGS
         self.port = port or free_port()
         self.user, self.password = user, password or secrets.token_urlsafe(12)
         self.extra_env = dict(env or {})
@@ -63,7 +64,7 @@ class LocalAirflow:
         return {**os.environ, **self.extra_env,
                 "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
                 "AIRFLOW_HOME": str(self.home),
-                "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                 "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
                 "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
