@@ -157,8 +157,8 @@ def main() -> None:
         over = {st: round(sum(r["seconds"].get(st, 0) - i["seconds"].get(st, 0) for r, i in zip(runs, inproc))
                           / len(runs), 2) for st in steps}
         result[kind]["overhead_over_in_process_s"] = over
-        result[kind]["overhead_above_floor_s"] = {st: round(v - result[kind]["floor_mean_s"], 2)
-                                                  for st, v in over.items()}
+        floor = result[kind]["floor_mean_s"] or 0.0
+        result[kind]["overhead_above_floor_s"] = {st: round(v - floor, 2) for st, v in over.items()}
         print(f"{kind:28s}overhead per task over in-process (s): {over}; above the empty task's "
               f"{result[kind]['floor_mean_s']} s: {result[kind]['overhead_above_floor_s']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """What the tests (and the benchmarks) share: real servers on 127.0.0.1 and a free port picked at run time, stopped
-afterwards (Redis, Redis Cluster, Spark standalone; Spark Connect is ``solaris_jobs.dev.spark_connect``); comparing offline outputs row for row
-(``python -m tests.support A B`` compares two offline stores); tiny models; the MovieLens test interval.
+afterwards (Redis, Redis Cluster, Spark standalone; Spark Connect is ``solaris_jobs.dev.spark_connect``);
+comparing offline outputs row for row (``python -m tests.support A B`` compares two offline stores); tiny models;
+the MovieLens test interval.
 Fixtures live in ``conftest.py``; tests import helpers from here, never from ``conftest``.
 """
 from __future__ import annotations

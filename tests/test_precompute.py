@@ -55,6 +55,24 @@ def test_spark_reads_only_the_days_of_its_bounds(spark, tmp_path):
     empty = read_events_df(spark, str(tmp_path), "2026-01-03T00:00:00Z", "2026-01-04T00:00:00Z")
     assert empty.columns == ev.EVENT_SCHEMA.names and empty.count() == 0
     assert event_folders("s3a://bucket/events") is None                     # not local: Spark lists it
+    # A file URI (both spellings) lists the same days, keeping the scheme; bounds in another zone are UTC days.
+    for uri in (f"file://{base}", f"file:{base}"):
+        assert event_folders(uri, "2026-01-02T01:00:00+05:00", "2026-01-02T02:00:00+05:00") == \
+            [f"file://{base}/date=2026-01-01"]
+    # A folder with no day partitions is not a log read as empty: Spark gets it whole (and fails on it).
+    (tmp_path / "flat").mkdir()
+    assert event_folders(tmp_path / "flat") is None
+
+
+def test_user_batches_keep_each_users_pairs_together():
+    assert pc.user_batches(np.array([], np.int64), 4) == []
+    cuts = pc.user_batches(np.array([10, 1, 1, 2, 3, 1]), 4)
+    assert [(c.start, c.stop) for c in cuts] == [(0, 1), (1, 3), (3, 5), (5, 6)]   # by the batch of the first pair
+    n = np.array([3, 0, 5, 1, 1, 2, 7])
+    cuts = pc.user_batches(n, 5)
+    assert cuts[0].start == 0 and cuts[-1].stop == len(n)
+    assert all(a.stop == b.start for a, b in zip(cuts, cuts[1:]))               # consecutive, every user once
+    assert all(n[c].sum() < 5 + n[c].max() for c in cuts)                        # about batch_size pairs each
 
 
 def test_spark_candidates_equal_the_request_simulator(spark, movielens_root):
@@ -120,7 +138,7 @@ def test_bad_event_rows_are_set_aside_with_a_reason(spark):
                                           **bad.toPandas()["reason"].value_counts().to_dict()}
 
 
-def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_root, ml_models):
+def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_root, ml_models, tmp_path):
     job, stats = ml_run
     assert stats["select"]["pairs_selected"] == stats["embed"]["pairs"] > 100
     assert stats["select"]["rejected_events"] == 0
@@ -138,6 +156,16 @@ def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_roo
     with torch.inference_mode():
         ref = ae.encode(fm(batch_to_tensors(ex.batch(np.arange(n))))["h"]).numpy()
     np.testing.assert_allclose(np.stack(got["embedding"]), ref, rtol=1e-4, atol=1e-5)
+    # Batches of about 20 pairs: users share a batch, and a batch goes over 20 rather than split a user.
+    import shutil
+    sizes = got.groupby("user_id").size().to_numpy()
+    cuts = pc.user_batches(sizes, 20)
+    assert len(cuts) < len(sizes) and any(sizes[c].sum() > 20 for c in cuts)
+    small = replace(job, offline=str(tmp_path / "offline"), precompute=replace(job.precompute, batch_size=20))
+    shutil.copytree(job.offline, small.offline)
+    assert jobs.embed(spark, small, ML_START, ML_END)["pairs"] == n
+    again = _read(spark, small, "pair_embeddings").sort_values(["user_id", "item_id"]).reset_index(drop=True)
+    np.testing.assert_allclose(np.stack(again["embedding"]), ref, rtol=1e-4, atol=1e-5)
     # Selected pairs are the top 20% of each user's scored candidates.
     sel = _read(spark, job, "selection")
     per_user = sel.groupby("user_id").agg(n=("item_id", "size"), s=("selected", "sum"))

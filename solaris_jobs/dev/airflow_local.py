@@ -5,7 +5,7 @@ processes, LocalExecutor, SQLite metadata DB under ``home``, bound to 127.0.0.1.
 With ``spark_connect=True`` a Spark Connect server starts first (``solaris_jobs.dev.spark_connect``) and every
 Airflow process gets ``SOLARIS_SPARK_MASTER=sc://...`` of it: the refresh's Spark steps then share one long-lived
 Spark instead of each task starting its own JVM. Its master and driver memory are ``SOLARIS_SPARK_MASTER`` (a
-``local[...]`` or cluster master; default ``local[2]``) and ``SOLARIS_SPARK_DRIVER_MEMORY`` of ``env``.
+``local[...]`` or cluster master; default ``local[*]``, as for tasks without it) and ``SOLARIS_SPARK_DRIVER_MEMORY`` of ``env``.
 
 Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor) and their cluster's
 Spark (Connect) endpoint; this is the project's DAGs under the real services, for trying them out and for tests.
@@ -48,7 +48,7 @@ class LocalAirflow:
         self.spark = None
         if spark_connect:
             from solaris_jobs.dev.spark_connect import SparkConnectServer
-            master = {**os.environ, **self.extra_env}.get("SOLARIS_SPARK_MASTER") or "local[2]"
+            master = {**os.environ, **self.extra_env}.get("SOLARIS_SPARK_MASTER") or "local[*]"
             if master.startswith("sc://"):
                 raise ValueError(f"SOLARIS_SPARK_MASTER is already a Spark Connect endpoint ({master}): "
                                  f"use it without spark_connect")
@@ -99,13 +99,21 @@ class LocalAirflow:
         return p
 
     def start(self, timeout: float = 120) -> "LocalAirflow":
+        """Starts the Spark Connect server (if asked), migrates the DB and starts the services; on any failure
+        (Ctrl-C included) stops whatever it started and raises."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> "LocalAirflow":
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({self.user: self.password}))
         if self.spark is not None:
             self.spark.start()
         res = self.cli("db", "migrate", timeout=600)
         if res.returncode != 0:
-            self.stop()
             raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
         self._spawn("scheduler", ["scheduler", "--skip-serve-logs"])
@@ -115,7 +123,6 @@ class LocalAirflow:
         while time.monotonic() < deadline:
             for p in self.procs:
                 if p.poll() is not None:
-                    self.stop()
                     raise RuntimeError(f"an Airflow service exited ({p.args}); logs in {self.home}")
             try:
                 health = self._request("GET", "/api/v2/monitor/health", auth=False)
@@ -124,7 +131,6 @@ class LocalAirflow:
             except (urllib.error.URLError, ConnectionError, OSError, ValueError):
                 pass
             time.sleep(1)
-        self.stop()
         raise RuntimeError(f"Airflow did not become healthy within {timeout:.0f}s; logs in {self.home}")
 
     def _request(self, method: str, path: str, body=None, auth: bool = True) -> dict:

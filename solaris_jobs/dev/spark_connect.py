@@ -1,8 +1,9 @@
 """A long-lived Spark for the refresh's tasks: a Spark Connect server on 127.0.0.1 and a free port.
 
 ``solaris airflow`` starts one beside the scheduler and points the tasks at it (``SOLARIS_SPARK_MASTER=sc://...``),
-so that the four Spark steps of a refresh connect to one running Spark instead of each starting a JVM (and, with
-Python worker reuse, the executors' model cache outlives a task). A deployment runs its cluster's Spark Connect
+so that the four Spark steps of a refresh connect to one running Spark instead of each starting a JVM. (Whether the
+executors' Python workers, and with them the loaded models, outlive a task under Spark Connect is not measured
+yet.) A deployment runs its cluster's Spark Connect
 endpoint instead and sets ``SOLARIS_SPARK_MASTER`` to it. The tests use this class too.
 """
 from __future__ import annotations

@@ -449,14 +449,18 @@ def airflow_cmd(home, port, password, spark_connect) -> None:
     import time
 
     from solaris_jobs.dev.airflow_local import LocalAirflow
-    spark_connect = spark_connect and not os.environ.get("SOLARIS_SPARK_MASTER", "").startswith("sc://")
-    af = LocalAirflow(home, port or None, password=password, spark_connect=spark_connect).start()
-    click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}"
-               + (f"; Spark Connect at {af.spark.url}" if af.spark else ""))
+    # Not when the tasks already go to a Spark Connect endpoint or to spark-submit (SOLARIS_SPARK_CONN_ID).
+    spark_connect = spark_connect and not os.environ.get("SOLARIS_SPARK_MASTER", "").startswith("sc://") \
+        and not os.environ.get("SOLARIS_SPARK_CONN_ID")
+    af = LocalAirflow(home, port or None, password=password, spark_connect=spark_connect)
     try:
+        af.start()
+        click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}"
+                   + (f"; Spark Connect at {af.spark.url}" if af.spark else ""))
         while all(p.poll() is None for p in af.procs) and (af.spark is None or af.spark.proc.poll() is None):
             time.sleep(2)
-        click.echo("an Airflow service exited; stopping", err=True)
+        click.echo("the Spark Connect server exited; stopping" if af.spark and af.spark.proc.poll() is not None
+                   else "an Airflow service exited; stopping", err=True)
     except KeyboardInterrupt:
         pass
     finally:

@@ -16,7 +16,7 @@ from solaris_jobs.core import events as ev
 
 
 class EventLog:
-    """The event log under a data root, read on each call (only the hour partitions an interval needs)."""
+    """The event log under a data root, read on each call (only the days an interval's bounds need)."""
 
     def __init__(self, root: str | os.PathLike):
         self.root = str(root)

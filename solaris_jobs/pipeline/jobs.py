@@ -20,6 +20,7 @@ Each step writes its output for the interval to a fresh folder and publishes it 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -82,6 +83,27 @@ def _with_history_len(s: Settings, models: model_refs.ModelSet):
     return replace(s.precompute, history_len=models.check_history_len(s.precompute.history_len))
 
 
+def _releases_caches(step):
+    """Gives the step a ``cache(df)`` that caches a DataFrame and unpersists it when the step returns or fails: a
+    long-lived Spark (a Spark Connect server the tasks share) would otherwise keep a failed task's caches."""
+    @functools.wraps(step)
+    def run(spark, s: Settings, start, end, **kw) -> dict:
+        held = []
+
+        def cache(df):
+            held.append(df.cache())
+            return held[-1]
+        try:
+            return step(spark, s, start, end, cache=cache, **kw)
+        finally:
+            for df in held:
+                try:
+                    df.unpersist()
+                except Exception:          # the session is gone: nothing is held any more
+                    logger.debug("unpersist failed", exc_info=True)
+    return run
+
+
 def read_from(T: pd.Timestamp, lookback_days: float | None, start=None) -> pd.Timestamp | None:
     """The earliest event time a step reads for the cutoff T: the lookback's start (None: the whole log), or the
     interval's ``start`` when that is earlier (the selection sets the interval's bad rows aside)."""
@@ -91,7 +113,9 @@ def read_from(T: pd.Timestamp, lookback_days: float | None, start=None) -> pd.Ti
     return min(first, to_utc(start)) if start is not None else first
 
 
-def select(spark, s: Settings, start, end, *, events=None, models=None, clock=None) -> dict:
+@_releases_caches
+def select(spark, s: Settings, start, end, *, events=None, models=None, clock=None,
+           cache=None) -> dict:
     """Candidate selection: active users (+ missed), request-simulator candidates, negative exclusion, verifier
     scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval."""
     from pyspark.sql import functions as F
@@ -102,7 +126,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
           else model_refs.resolve(s.models, ("vm",)).vm)
     source = event_source(events, s.data)
     ev = source.spark(spark, start=read_from(T, cfg.lookback_days, start), end=T)
-    prior = pc.prior_events(ev, T, cfg.lookback_days).cache()
+    prior = cache(pc.prior_events(ev, T, cfg.lookback_days))
     # Bad rows of the interval itself are set aside with their reason (earlier ones were, by earlier runs).
     _, bad = pc.split_bad_events(ev.where(F.col("event_timestamp") >= F.lit(start.to_pydatetime())))
     staged = off.stage(bad, s.offline, "rejects", T)
@@ -112,7 +136,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         logger.warning("set aside %d bad event rows of the interval: %s", n_bad, rejects_path)
     misses = off.read_misses(spark, s.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
     budgeted = cfg.budget_per_row is not None
-    users = pc.active_users(prior, T, cfg.active_hours, misses).cache()
+    users = cache(pc.active_users(prior, T, cfg.active_hours, misses))
     recent = pc.recent_pairs(prior, T, cfg.recent_hours) if cfg.recent_hours > 0 else None
     n_budget = expected = None
     if budgeted:
@@ -124,11 +148,11 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     if budgeted and cfg.select_priority == "recency" and not cfg.exclusion_runs and recent is not None:
         # Ranked by recency, the simulator's candidates (never ranked) come after every recently ranked or missed
         # pair: when those alone fill the budget, no simulator candidate can be selected, so none is computed.
-        known = pc.candidate_pool(simulated.limit(0), recent, misses).cache()
+        known = cache(pc.candidate_pool(simulated.limit(0), recent, misses))
         if known.count() >= n_budget:
             simulated, skipped_simulator = simulated.limit(0), True
         known.unpersist()
-    cands = pc.candidate_pool(simulated, recent, misses if budgeted else None).cache()
+    cands = cache(pc.candidate_pool(simulated, recent, misses if budgeted else None))
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -165,11 +189,12 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     logger.info("selection %s: %d users, %d pairs considered, %d excluded by negative exclusion (VM scoring "
                 "saved), %d selected for the FM%s", T, n_users, n_cands, n_excl, agg["selected"] or 0,
                 f" (budget {budget['budget_pairs']})" if budget else "")
-    prior.unpersist(), users.unpersist(), cands.unpersist()
     return stats
 
 
-def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=None) -> dict:
+@_releases_caches
+def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=None,
+          cache=None) -> dict:
     """Batched FM inference: the selected pairs through the FM and the autoencoder's encoder on executors.
     Outputs: ``pair_embeddings`` and, for outputs that are not finite (counted per reason), ``embedding_rejects``."""
     from pyspark.sql import functions as F
@@ -184,13 +209,13 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     selected = off.read_interval(spark, s.offline, "selection", T).where("selected").select("user_id", "item_id")
     source = event_source(events, s.data)
     # Read once: the counters and the histories both come from it.
-    prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
-                            cfg.lookback_days).cache()
+    prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
+                                  cfg.lookback_days))
     uc, ic = pc.counters(prior)
     users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(prior, cfg.history_len),
                                                                        "user_id", "left")
     users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
-    out = pc.embed_pairs(users, models, T, cfg).persist()
+    out = cache(pc.embed_pairs(users, models, T, cfg))
     good = out.where(F.col("reject_reason").isNull()).drop("reject_reason", "model_s")
     bad = out.where(F.col("reject_reason").isNotNull()).select("user_id", "item_id",
                                                                F.col("reject_reason").alias("reason"))
@@ -200,7 +225,6 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     rejected = {r["reason"]: r["count"] for r in spark.read.parquet(staged_bad.path).groupBy("reason").count()
                 .collect()}
     model_s = out.agg(F.sum("model_s")).first()[0] or 0.0
-    out.unpersist(), prior.unpersist()
     _publish(staged_bad, {"interval_end": T.isoformat(), "rows": sum(rejected.values()), "rejected": rejected},
              clock)
     seconds = time.perf_counter() - t0
@@ -242,7 +266,9 @@ def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock
     return stats
 
 
-def neighbours(spark, s: Settings, start, end, *, events=None, models=None, clock=None) -> dict:
+@_releases_caches
+def neighbours(spark, s: Settings, start, end, *, events=None, models=None, clock=None,
+               cache=None) -> dict:
     """FM user embeddings of every user with history (executors), FAISS top-k (the driver: the index is one
     piece), and each user's neighbour embedding = similarity-weighted mean of the neighbours' aggregates.
     Outputs: ``user_embeddings`` and ``neighbours``."""
@@ -256,7 +282,7 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     version = models.embedding_version
     source = event_source(events, s.data)
     prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T, cfg.lookback_days)
-    uemb = pc.embed_users(pc.user_histories(prior, cfg.history_len), models.fm, T, cfg).persist()
+    uemb = cache(pc.embed_users(pc.user_histories(prior, cfg.history_len), models.fm, T, cfg))
     staged = off.stage(uemb.where(F.col("reject_reason").isNull()).drop("reject_reason"), s.offline,
                        "user_embeddings", T)
     n_bad = uemb.where(F.col("reject_reason").isNotNull()).count()

@@ -155,7 +155,9 @@ def with_counters(pairs, user_counts, item_counts):
     return pairs.join(user_counts, "user_id", "left").join(item_counts, "item_id", "left").fillna(zero)
 
 
-COUNTER_COLS = [f"{p}_{k}" for p in ("user", "item") for k in ("cnt", "known", "pos")]
+USER_COUNTER_COLS = [f"user_{k}" for k in ("cnt", "known", "pos")]
+ITEM_COUNTER_COLS = [f"item_{k}" for k in ("cnt", "known", "pos")]
+COUNTER_COLS = USER_COUNTER_COLS + ITEM_COUNTER_COLS
 
 
 # ----------------------------------------------------------------------------------------------- models on executors
@@ -354,8 +356,7 @@ def user_histories(prior, history_len: int):
 
 
 HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
-USER_COUNTER_COLS = [f"user_{k}" for k in ("cnt", "known", "pos")]
-PAIR_COLS = ["item_id", *[f"item_{k}" for k in ("cnt", "known", "pos")]]
+PAIR_COLS = ["item_id", *ITEM_COUNTER_COLS]
 
 
 def _examples(pdf: pd.DataFrame, at_us: int, history_len: int):
@@ -419,8 +420,9 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
     Returns:
         (user_id, item_id, embedding array<float>, event_timestamp = cutoff, model_version, reject_reason,
         model_s): the reason (``NONFINITE_REASONS``) is null for rows in the contract, and the job writes the others
-        aside; ``model_s`` is the row's share of its batch's time in the FM and the encoder (summed: the model's
-        time inside the executors, apart from reading, batching and writing).
+        aside; ``model_s`` is the row's share of its batch's time in the FM and the encoder, tensor conversion and
+        the copy back included (summed: the model's time inside the executors, apart from reading the rows,
+        building the inputs and writing).
     """
     from pyspark.sql.types import (ArrayType, DoubleType, FloatType, LongType, StringType, StructField, StructType,
                                    TimestampType)

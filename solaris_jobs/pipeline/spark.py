@@ -88,17 +88,23 @@ def parallelism(spark) -> int:
 def event_folders(base, start=None, end=None) -> list[str] | None:
     """What Spark should list of a local event log for events of ``[start, end)``: the day folders
     (``date=YYYY-MM-DD``) that can hold them, or ``[base]`` when that is every day of the log; None when ``base`` is
-    not a local folder (then Spark lists all of it). Only folder names are read here, so a run over a long log lists
+    not a local folder or holds no day folder (then Spark lists all of it, and fails on what is not a log). Only folder names are read here, so a run over a long log lists
     and opens its lookback's days, not the log. (Days, not hours: passing Spark thousands of folders costs more
     than listing them; the time filter drops the boundary days' other hours.)"""
     import re
     from pathlib import Path
+    from urllib.parse import urlparse
 
     import pandas as pd
 
     from solaris_jobs.core import events as ev
-    root = Path(str(base).removeprefix("file://"))
-    if "://" in str(base).removeprefix("file://") or not root.is_dir():
+    text = str(base)
+    scheme = urlparse(text).scheme if ":" in text.split("/")[0] else ""
+    if scheme not in ("", "file"):
+        return None
+    root = Path(urlparse(text).path if scheme else text)           # file:/x and file:///x are both /x
+    prefix = "file://" if scheme else ""
+    if not root.is_dir():
         return None
     lo = ev.to_utc(start) if start is not None else None
     hi = ev.to_utc(end) if end is not None else None
@@ -108,8 +114,10 @@ def event_folders(base, start=None, end=None) -> list[str] | None:
         t = pd.Timestamp(d.name.removeprefix("date="), tz="UTC")
         return (lo is None or t + pd.Timedelta(days=1) > lo) and (hi is None or t < hi)
 
+    if not days:
+        return None                          # not the contract's layout: Spark reads (and fails on) the folder
     keep = [d for d in days if overlaps(d)]
-    return [str(root)] if keep and len(keep) == len(days) else [str(d) for d in keep]
+    return [prefix + str(root)] if len(keep) == len(days) else [prefix + str(d) for d in keep]
 
 
 def read_events_df(spark, root: str, start=None, end=None):
