@@ -223,7 +223,8 @@ def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
            "SOLARIS_SPARK_DRIVER_MEMORY": "1g", "SOLARIS_RETRIES": "0"}
     earlier = ML_END - 2 * HOUR                       # logical date = start of the interval [earlier, ML_END - 1h)
     with LocalAirflow(tmp_path / "airflow", env=env, parallelism=2, spark_connect=True) as af:
-        connect = af.spark.url
+        connect = af.env()["SOLARIS_SPARK_MASTER"]
+        assert connect == af.spark.shared_url and connect.startswith(af.spark.url + "/;session_id=")
         af.wait_for_dag("solaris_refresh")
         run_id = af.trigger("solaris_refresh", (ML_END - HOUR).isoformat(), ML_END.isoformat())
         res = af.cli("backfill", "create", "--dag-id", "solaris_refresh", "--from-date", earlier.isoformat(),

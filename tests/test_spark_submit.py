@@ -46,3 +46,41 @@ def test_refresh_through_spark_connect_matches_in_process(ml_run, tmp_path):
     assert f"Spark Connect session at {server.url}" in res.stderr
     counts = assert_same_outputs(s.offline, offline, ML_END, rtol=1e-5, atol=1e-6)
     assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
+
+
+CLIENT = """
+import os, sys
+from solaris_jobs.pipeline.spark import spark_session
+spark = spark_session("client", sys.argv[1])
+
+def pids(frames):
+    import pandas as pd
+    for pdf in frames:
+        yield pd.DataFrame({"pid": [os.getpid()] * len(pdf)})
+
+print(sorted({r.pid for r in spark.range(64, numPartitions=2).mapInPandas(pids, "pid long").collect()}))
+"""
+
+
+def test_clients_of_the_shared_spark_connect_session_reuse_its_python_workers(tmp_path):
+    """What `solaris airflow` gives its tasks: three client processes in a row on the server's shared session run
+    their Python UDFs in the same Python workers (so the executors' model cache outlives a task), and the server's
+    Python processes do not grow; each client on a session of its own gets new workers and leaves them behind."""
+    import psutil
+
+    def run(url):
+        res = subprocess.run([sys.executable, "-c", CLIENT, url], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    def pythons(server):
+        return sum("python" in p.name() for p in psutil.Process(server.proc.pid).children(recursive=True))
+
+    with SparkConnectServer(tmp_path / "connect") as server:
+        shared = [run(server.shared_url) for _ in range(3)]
+        after_shared = pythons(server)
+        own = [run(server.url) for _ in range(2)]
+        after_own = pythons(server)
+    assert shared[0] == shared[1] == shared[2] and len(shared[0]) >= 1
+    assert not set(own[0]) & set(own[1]) and not set(own[0]) & set(shared[0])
+    assert after_own > after_shared > 0

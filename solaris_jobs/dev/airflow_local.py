@@ -5,7 +5,9 @@ processes, LocalExecutor, SQLite metadata DB under ``home``, bound to 127.0.0.1.
 With ``spark_connect=True`` a Spark Connect server starts first (``solaris_jobs.dev.spark_connect``) and every
 Airflow process gets ``SOLARIS_SPARK_MASTER=sc://...`` of it: the refresh's Spark steps then share one long-lived
 Spark instead of each task starting its own JVM. Its master and driver memory are ``SOLARIS_SPARK_MASTER`` (a
-``local[...]`` or cluster master; default ``local[*]``, as for tasks without it) and ``SOLARIS_SPARK_DRIVER_MEMORY`` of ``env``.
+``local[...]`` or cluster master; default ``local[*]``, as for tasks without it) and ``SOLARIS_SPARK_DRIVER_MEMORY`` of ``env``;
+the tasks share one session of it (``SparkConnectServer.shared_url``), so its Python workers and their models are
+reused from task to task.
 
 Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor) and their cluster's
 Spark (Connect) endpoint; this is the project's DAGs under the real services, for trying them out and for tests.
@@ -82,7 +84,7 @@ class LocalAirflow:
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
                 "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
-                **({"SOLARIS_SPARK_MASTER": self.spark.url} if self.spark is not None else {})}
+                **({"SOLARIS_SPARK_MASTER": self.spark.shared_url} if self.spark is not None else {})}
 
     def _secret(self) -> str:
         path = self.home / "jwt_secret"

@@ -1,9 +1,14 @@
 """A long-lived Spark for the refresh's tasks: a Spark Connect server on 127.0.0.1 and a free port.
 
 ``solaris airflow`` starts one beside the scheduler and points the tasks at it (``SOLARIS_SPARK_MASTER=sc://...``),
-so that the four Spark steps of a refresh connect to one running Spark instead of each starting a JVM. (Whether the
-executors' Python workers, and with them the loaded models, outlive a task under Spark Connect is not measured
-yet.) A deployment runs its cluster's Spark Connect
+so that the four Spark steps of a refresh connect to one running Spark instead of each starting a JVM.
+
+The tasks share one server-side session (``shared_url``: ``sc://host:port/;session_id=<uuid>``, and no task stops
+it). Spark Connect gives each session its own Python worker factory: with one session per task every task's
+Python workers start afresh (the models load again) and, in Spark 4.3, the server keeps each session's Python
+daemon and workers until it stops (measured: 3 more Python processes per session, never released). With the
+shared session the workers, and the models they loaded, are reused from task to task, and the process count stays
+flat (``tests/test_spark_submit.py``). A deployment runs its cluster's Spark Connect
 endpoint instead and sets ``SOLARIS_SPARK_MASTER`` to it. The tests use this class too.
 """
 from __future__ import annotations
@@ -13,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from solaris_jobs.dev.ports import free_port
@@ -29,6 +35,8 @@ class SparkConnectServer:
         self.master, self.driver_memory = master, driver_memory
         self.port = port or free_port()
         self.url = f"sc://127.0.0.1:{self.port}"
+        # One session for every client of this server (a session id is a UUID): see the module's docstring.
+        self.shared_url = f"{self.url}/;session_id={uuid.uuid4()}"
         self.conf = dict(conf or {})
         self.proc: subprocess.Popen | None = None
 
