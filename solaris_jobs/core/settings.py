@@ -426,6 +426,7 @@ def cache_dir(env=None) -> Path:
 
 # Read by the DAG files themselves at parse time (scheduling and task placement); listed here for the README and
 # for the demo, which sets some of them (``dag_env``).
+SPARK_CONN_ENV = "SOLARIS_SPARK_CONN_ID"         # also read outside the DAGs: `solaris airflow` checks it
 DAG_ENV = {          # their defaults are in the DAG files (and the README)
     "SOLARIS_REFRESH_CRON": "refresh schedule",
     "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
@@ -434,7 +435,7 @@ DAG_ENV = {          # their defaults are in the DAG files (and the README)
     "SOLARIS_CATCHUP": "run missed intervals on start",
     "SOLARIS_RETRIES": "task retries",
     "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off",
-    "SOLARIS_SPARK_CONN_ID": "when set, the four Spark steps become SparkSubmitOperators on that connection",
+    SPARK_CONN_ENV: "when set, the four Spark steps become SparkSubmitOperators on that connection",
     "SOLARIS_FM_QUEUE": "Celery queue of the FM task (GPU workers)",
     "SOLARIS_FM_POOL": "pool of the FM task",
 }

@@ -3,9 +3,10 @@ processes, LocalExecutor, SQLite metadata DB under ``home``, bound to 127.0.0.1.
 (``make airflow``) and by the test that triggers the refresh DAG through the REST API.
 
 With ``spark_connect=True`` a Spark Connect server starts first (``solaris_jobs.dev.spark_connect``) and every
-Airflow process gets ``SOLARIS_SPARK_MASTER=sc://...`` of it: the refresh's Spark steps then share one long-lived
-Spark instead of each task starting its own JVM. Its master and driver memory are ``SOLARIS_SPARK_MASTER`` (a
-``local[...]`` or cluster master; default ``local[*]``, as for tasks without it) and ``SOLARIS_SPARK_DRIVER_MEMORY`` of ``env``;
+Airflow process gets it as the Spark master setting (``sc://...``): the refresh's Spark steps then share one
+long-lived Spark instead of each task starting its own JVM. Its master and driver memory are the ``spark_master``
+(a ``local[...]`` or cluster master; default ``local[*]``, as for tasks without it) and ``spark_driver_memory``
+settings' variables in ``env``;
 the tasks share one session of it (``SparkConnectServer.shared_url``), so its Python workers and their models are
 reused from task to task.
 
@@ -25,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from solaris_jobs.core.settings import PROJECT_ROOT
+from solaris_jobs.core.settings import PROJECT_ROOT, env_var
 from solaris_jobs.dev.ports import free_port
 
 DAGS = PROJECT_ROOT / "dags"
@@ -50,11 +51,12 @@ class LocalAirflow:
         self.spark = None
         if spark_connect:
             from solaris_jobs.dev.spark_connect import SparkConnectServer
-            master = {**os.environ, **self.extra_env}.get("SOLARIS_SPARK_MASTER") or "local[*]"
+            given = {**os.environ, **self.extra_env}
+            master = given.get(env_var("spark_master")) or "local[*]"
             if master.startswith("sc://"):
-                raise ValueError(f"SOLARIS_SPARK_MASTER is already a Spark Connect endpoint ({master}): "
+                raise ValueError(f"{env_var('spark_master')} is already a Spark Connect endpoint ({master}): "
                                  f"use it without spark_connect")
-            memory = {**os.environ, **self.extra_env}.get("SOLARIS_SPARK_DRIVER_MEMORY") or "2g"
+            memory = given.get(env_var("spark_driver_memory")) or "2g"
             self.spark = SparkConnectServer(self.home / "spark-connect", master=master, driver_memory=memory)
 
     @property
@@ -84,7 +86,7 @@ class LocalAirflow:
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
                 "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(self.home / "logs"),
-                **({"SOLARIS_SPARK_MASTER": self.spark.shared_url} if self.spark is not None else {})}
+                **({env_var("spark_master"): self.spark.shared_url} if self.spark is not None else {})}
 
     def _secret(self) -> str:
         path = self.home / "jwt_secret"

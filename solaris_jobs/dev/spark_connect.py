@@ -1,6 +1,6 @@
 """A long-lived Spark for the refresh's tasks: a Spark Connect server on 127.0.0.1 and a free port.
 
-``solaris airflow`` starts one beside the scheduler and points the tasks at it (``SOLARIS_SPARK_MASTER=sc://...``),
+``solaris airflow`` starts one beside the scheduler and points the tasks at it (their Spark master ``sc://...``),
 so that the four Spark steps of a refresh connect to one running Spark instead of each starting a JVM.
 
 The tasks share one server-side session (``shared_url``: ``sc://host:port/;session_id=<uuid>``, and no task stops
@@ -9,7 +9,7 @@ Python workers start afresh (the models load again) and, in Spark 4.3, the serve
 daemon and workers until it stops (measured: 3 more Python processes per session, never released). With the
 shared session the workers, and the models they loaded, are reused from task to task, and the process count stays
 flat (``tests/test_spark_submit.py``). A deployment runs its cluster's Spark Connect
-endpoint instead and sets ``SOLARIS_SPARK_MASTER`` to it. The tests use this class too.
+endpoint instead and sets the Spark master setting to it. The tests use this class too.
 """
 from __future__ import annotations
 

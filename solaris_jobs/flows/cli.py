@@ -440,7 +440,7 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
 @click.option("--port", default=8080, help="API server and UI port on 127.0.0.1 (0: a free one).")
 @click.option("--password", default=None, help="UI password for user admin (default: generated, printed).")
 @click.option("--spark-connect/--no-spark-connect", default=True, show_default=True,
-              help="Start a Spark Connect server (on SOLARIS_SPARK_MASTER's master, default local[2]) and point the "
+              help="Start a Spark Connect server (on the Spark master setting's master, default local[*]) and point the "
                    "tasks at it, so that the Spark steps share one Spark instead of each starting a JVM.")
 def airflow_cmd(home, port, password, spark_connect) -> None:
     """Start Airflow for real with the project's DAGs: API server + UI, scheduler, DAG processor, triggerer
@@ -449,9 +449,10 @@ def airflow_cmd(home, port, password, spark_connect) -> None:
     import time
 
     from solaris_jobs.dev.airflow_local import LocalAirflow
-    # Not when the tasks already go to a Spark Connect endpoint or to spark-submit (SOLARIS_SPARK_CONN_ID).
-    spark_connect = spark_connect and not os.environ.get("SOLARIS_SPARK_MASTER", "").startswith("sc://") \
-        and not os.environ.get("SOLARIS_SPARK_CONN_ID")
+    from solaris_jobs.core.settings import SPARK_CONN_ENV, env_var
+    # Not when the tasks already go to a Spark Connect endpoint or to spark-submit (a Spark connection id).
+    spark_connect = spark_connect and not os.environ.get(env_var("spark_master"), "").startswith("sc://") \
+        and not os.environ.get(SPARK_CONN_ENV)
     af = LocalAirflow(home, port or None, password=password, spark_connect=spark_connect)
     try:
         af.start()
