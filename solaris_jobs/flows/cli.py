@@ -440,8 +440,9 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
 @click.option("--port", default=8080, help="API server and UI port on 127.0.0.1 (0: a free one).")
 @click.option("--password", default=None, help="UI password for user admin (default: generated, printed).")
 @click.option("--spark-connect/--no-spark-connect", default=True, show_default=True,
-              help="Start a Spark Connect server (on the Spark master setting's master, default local[*]) and point the "
-                   "tasks at it, so that the Spark steps share one Spark instead of each starting a JVM.")
+              help="Start a Spark Connect server (on the Spark master setting's master, default local[*]) and "
+                   "point the tasks at one session of it, so that the Spark steps share one Spark instead of each "
+                   "starting a JVM.")
 def airflow_cmd(home, port, password, spark_connect) -> None:
     """Start Airflow for real with the project's DAGs: API server + UI, scheduler, DAG processor, triggerer
     (LocalExecutor, SQLite), and a Spark Connect server for the tasks. The SOLARIS_* settings of this shell are

@@ -88,8 +88,8 @@ def parallelism(spark) -> int:
 def event_folders(base, start=None, end=None) -> list[str] | None:
     """What Spark should list of a local event log for events of ``[start, end)``: the day folders
     (``date=YYYY-MM-DD``) that can hold them, or ``[base]`` when that is every day of the log; None when ``base`` is
-    not a local folder or holds no day folder (then Spark lists all of it, and fails on what is not a log). Only folder names are read here, so a run over a long log lists
-    and opens its lookback's days, not the log. (Days, not hours: passing Spark thousands of folders costs more
+    not a local folder or holds no day folder (then Spark lists all of it, and fails on what is not a log). Only
+    folder names are read here, so a run over a long log lists and opens its lookback's days, not the log. (Days, not hours: passing Spark thousands of folders costs more
     than listing them; the time filter drops the boundary days' other hours.)"""
     import re
     from pathlib import Path
