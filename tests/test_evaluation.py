@@ -267,3 +267,43 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert [p["budget_per_row"] for p in cu["budget"]] == [0.5, 1.0]
     assert cu["budget"][0]["fm"]["fm_inferences"] < cu["budget"][1]["fm"]["fm_inferences"]
     assert {p["cadence"] for p in cu["cadence"]} == {"12h", "6h"}
+
+
+def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(tiny_eval, tmp_path):
+    """``solaris evaluate-merge``: seeds run on other machines or sessions join one report; the summary and targets
+    are recomputed over all seeds; a repeated seed or another evaluation's settings is refused by name."""
+    import copy
+
+    from click.testing import CliRunner
+
+    from solaris_jobs.flows.cli import main
+    out, report = tiny_eval
+    # A second part as `solaris evaluate --seeds 1 --no-curves` writes it (its numbers relabelled: merging is
+    # bookkeeping over whole per-seed results, so which numbers they are does not matter here).
+    b = copy.deepcopy(report)
+    b["config"].update(seeds=[1], curves=False)
+    b["per_seed"][0]["seed"] = 1
+    b["per_seed"][0].pop("curves", None)
+    b["summary"] = [dict(report["summary"][0], seed=1)]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.json").write_text(json.dumps(b))
+    a_path, b_path = str(out / "report.json"), str(tmp_path / "b" / "report.json")
+    runner = CliRunner()
+    res = runner.invoke(main, ["evaluate-merge", b_path, a_path, "--out", str(tmp_path / "m"), "--seeds", "0,1"])
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "m" / "report.json").read_text())
+    assert m["seeds"] == [0, 1] and m["complete"] is True and m["config"]["seeds"] == [0, 1]
+    assert [s["seed"] for s in m["summary"]] == [0, 1] and m["summary"][0] == report["summary"][0]
+    assert [p["seed"] for p in m["targets"]["per_seed"]] == [0, 1]
+    assert m["targets"]["per_seed"][0] == report["targets"]["per_seed"][0]
+    assert "curves" in m["per_seed"][0] and [p["seeds"] for p in m["merged_from"]] == [[1], [0]]
+    assert "## Targets" in (tmp_path / "m" / "report.md").read_text()
+    # Without seed 2 the default three seeds are not all there.
+    res = runner.invoke(main, ["evaluate-merge", a_path, b_path, "--out", str(tmp_path / "m2")])
+    assert res.exit_code == 0 and json.loads((tmp_path / "m2" / "report.json").read_text())["complete"] is False
+    res = runner.invoke(main, ["evaluate-merge", a_path, a_path, "--out", str(tmp_path / "m3")])
+    assert res.exit_code != 0 and "seed 0 is in both" in res.output
+    b["config"]["n_boot"] += 1
+    (tmp_path / "b" / "report.json").write_text(json.dumps(b))
+    res = runner.invoke(main, ["evaluate-merge", a_path, b_path, "--out", str(tmp_path / "m4")])
+    assert res.exit_code != 0 and "config differs" in res.output and "(n_boot)" in res.output and b_path in res.output

@@ -140,6 +140,15 @@ def _finish(fig, ax, path: Path, title: str, xlabel: str | None, ylabel: str, **
     return path.name
 
 
+def _across_seeds(summary: list[dict]):
+    pick = {"FM gain (relative)": lambda s: s["fm_gain_relative"], "TR all tiers": lambda s: s["tr"].get("solaris"),
+            "TR KD": lambda s: s["tr"].get("vm_kd"), "any tier": lambda s: s["coverage"]["any_tier"],
+            "pair of ceiling": lambda s: s["coverage"]["pair_of_ceiling"],
+            "FM inferences per row": lambda s: s["fm_total_per_row"]}
+    for name, f in pick.items():
+        yield name, [x for x in map(f, summary) if x is not None]
+
+
 def markdown(report: dict, files: dict) -> str:
     cfg, P = report["config"], report["protocol"]
     L = [f"# SOLARIS replay evaluation: {report['dataset']}", ""]
@@ -163,6 +172,14 @@ def markdown(report: dict, files: dict) -> str:
         L.append(f"| {p['seed']} | {yes(p['fm_beats_vm_by_2pct'])} | {yes(p['tr_solaris_at_least_0.3'])} | "
                  f"{yes(p['tr_solaris_at_least_1.5x_kd'])} | {yes(p['pair_at_least_80pct_of_ceiling'])} | "
                  f"{yes(p['any_tier_at_least_90pct'])} | {yes(p['fm_per_row_at_most_1'])} |")
+    if len(report["summary"]) > 1:
+        L += ["", f"Across seeds {report['seeds']}: " + "; ".join(
+            f"{name} mean {_f(np.mean(xs), 3)} (min {_f(min(xs), 3)}, max {_f(max(xs), 3)})"
+            for name, xs in _across_seeds(report["summary"]) if xs) + "."]
+    if report.get("merged_from"):
+        L += ["", "Merged (`solaris evaluate-merge`) from " + "; ".join(
+            f"{m['path']} (seeds {m['seeds']}{', sweep ' + str(m['sweep']) if m['sweep'] else ''})"
+            for m in report["merged_from"]) + "."]
     L.append("")
     L.append("## Test results per seed")
     for r in report["per_seed"]:

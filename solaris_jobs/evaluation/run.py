@@ -643,6 +643,83 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     return write(True)
 
 
+# What may differ between reports of one evaluation run apart (one seed per machine or per session): which seeds
+# and sweep points each ran, and the settings that only the first seed's curves use.
+MERGE_INDEPENDENT = ("seeds", "sequence_shares", "curves", "budgets", "slow_cadence", "fast_cadence",
+                     "fast_hours_before", "fast_hours_after", "sweep_variants")
+
+
+class ReportMismatch(ValueError):
+    """Reports that are not parts of one evaluation (other data, protocol or settings), or that repeat a seed."""
+
+
+def merge_reports(paths, out: Path, expected_seeds: tuple | None = None) -> dict:
+    """One report from the reports of runs of the same evaluation that ran different seeds (or sweep points) apart,
+    e.g. ``solaris evaluate --seeds 1`` on a second machine: the per-seed results are kept as each run wrote them,
+    and the summary and targets are recomputed over all of them. The data manifest, the protocol and every setting
+    a seed's numbers depend on must be equal (``MERGE_INDEPENDENT`` may differ); a seed or sweep point given twice
+    is an error. ``complete`` is true when the seeds are ``expected_seeds`` (default the dataset's default seeds)
+    and every part had finished its seeds."""
+    from solaris_jobs.evaluation import report as rep
+    parts = []
+    for p in paths:
+        p = Path(p)
+        try:
+            parts.append((p, json.loads(p.read_text())))
+        except (OSError, ValueError) as e:
+            raise ReportMismatch(f"{p}: not a readable report.json ({e})") from e
+    if not parts:
+        raise ReportMismatch("no report to merge")
+    (p0, r0) = parts[0]
+
+    def comparable(r: dict) -> dict:
+        cfg = {k: v for k, v in r["config"].items() if k not in MERGE_INDEPENDENT}
+        return {"dataset": r["dataset"], "config": cfg, "protocol": r["protocol"], "data": r["data"]}
+
+    want = comparable(r0)
+    seeds, sweep, where = [], [], {}
+    for p, r in parts:
+        got = comparable(r)
+        for section in want:
+            if got[section] != want[section]:
+                a, b = want[section], got[section]
+                keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k)) if isinstance(a, dict) else []
+                raise ReportMismatch(f"{p}: {section} differs from {p0}'s ({', '.join(keys) or section}): not parts "
+                                     "of one evaluation")
+        for s in r["per_seed"]:
+            if s["seed"] in where:
+                raise ReportMismatch(f"seed {s['seed']} is in both {where[s['seed']]} and {p}")
+            where[s["seed"]] = p
+            seeds.append(s)
+        for point in r.get("sweep", []):
+            if any(x["sequence_share"] == point["sequence_share"] for x in sweep):
+                raise ReportMismatch(f"{p}: sweep point {point['sequence_share']} is given twice")
+            sweep.append(point)
+    seeds.sort(key=lambda s: s["seed"])
+    sweep.sort(key=lambda x: x["sequence_share"])
+    expected = tuple(expected_seeds) if expected_seeds is not None else (
+        movielens_config() if r0["dataset"] == "movielens" else EvalConfig()).seeds
+    config = {**r0["config"], "seeds": [s["seed"] for s in seeds],
+              "sequence_shares": [x["sequence_share"] for x in sweep],
+              "curves": any(s.get("curves") for s in seeds)}
+    summaries = [_seed_summary(r) for r in seeds]
+    # A part that stopped early wrote only its finished seeds, so "complete" asks for the expected seeds only.
+    report = {**{k: r0[k] for k in ("dataset", "protocol", "data")}, "config": config,
+              "complete": sorted(where) == sorted(expected), "seeds": [s["seed"] for s in seeds],
+              "summary": summaries, "targets": _targets(summaries), "per_seed": seeds, "sweep": sweep,
+              "merged_from": [{"path": str(p), "seeds": [s["seed"] for s in r["per_seed"]],
+                               "sweep": [x["sequence_share"] for x in r.get("sweep", [])],
+                               "complete": r["complete"], "config": {k: r["config"].get(k) for k in
+                                                                     MERGE_INDEPENDENT},
+                               "timings": r.get("timings")} for p, r in parts],
+              "timings": {"total_s": round(sum((r.get("timings") or {}).get("total_s", 0) for _, r in parts), 1)}}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    rep.write(report, out)
+    return report
+
+
 def _json_default(o):
     if isinstance(o, (np.integer,)):
         return int(o)

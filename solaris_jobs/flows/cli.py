@@ -266,6 +266,26 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
     click.echo(f"report: {Path(out) / 'report.md'} (and report.json)")
 
 
+@main.command("evaluate-merge")
+@click.argument("reports", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the merged report.json and "
+                                                                           "report.md.")
+@click.option("--seeds", default=None, help="The seeds the merged report should hold to be complete (comma-separated; "
+                                            "default the dataset's 0,1,2).")
+def evaluate_merge_cmd(reports, out, seeds) -> None:
+    """One report from runs of the same evaluation that ran different seeds apart (``solaris evaluate --seeds 1`` on
+    another machine or in another session): the data, protocol and settings must match; the summary and the targets
+    are recomputed over every seed."""
+    from solaris_jobs.evaluation import run as ev
+    expected = tuple(int(x) for x in seeds.split(",")) if seeds else None
+    try:
+        report = ev.merge_reports([Path(r) for r in reports], Path(out), expected)
+    except ev.ReportMismatch as e:
+        raise click.ClickException(str(e))
+    click.echo(ev.headline_table(report))
+    click.echo(f"report: {Path(out) / 'report.md'} (seeds {report['seeds']}, complete: {report['complete']})")
+
+
 def _settings_options(f):
     """The Settings flags (``settings.FLAGS``) plus ``--settings``: every command that runs refresh steps takes the
     same ones, with the same meaning, in the CLI and in ``spark_jobs/*.py`` under spark-submit."""
