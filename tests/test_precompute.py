@@ -347,3 +347,57 @@ def test_models_are_resolved_once_and_an_interval_keeps_its_version(spark, ml_ru
     ref = model_refs.resolve(old, ("fm",)).fm
     with pytest.raises(RuntimeError, match="now holds .* the file was replaced during the run"):
         model_refs.load(model_refs.ModelRef("fm", str(new / "fm.pt"), ref.version, ref.config))
+
+
+def test_active_requery_embeds_and_queries_only_users_with_new_events(spark, ml_run, movielens_root, tmp_path):
+    """``knn_requery = active``: after a full interval (index published), the next interval embeds only the users
+    with events since it, queries them against the full interval's index (exact here: brute force over its
+    vectors), and carries everyone else's vector and neighbour list unchanged; a changed KNN setting or an index
+    ``knn_rebuild_hours`` old makes the interval full again."""
+    import shutil
+    job, _ = ml_run
+    act = replace(job, offline=str(tmp_path / "offline"),
+                  precompute=replace(job.precompute, knn_requery="active", knn_rebuild_hours=48))
+    shutil.copytree(job.offline, act.offline)
+    first = jobs.neighbours(spark, act, ML_START, ML_END)
+    assert first["full"] and first["full_because"] == "no earlier interval" and off.is_complete(
+        act.offline, "knn_index", ML_END)
+    full_t1 = off.read_table(act.offline, "user_embeddings", ML_END).to_pandas().set_index("user_id")
+    T2 = ML_END + pd.Timedelta(days=1)
+    jobs.run(spark, act, ML_END, T2, steps=("select", "embed", "aggregate"))
+    second = jobs.neighbours(spark, act, ML_END, T2)
+    log = ev.read_events(movielens_root).to_pandas()
+    log["event_timestamp"] = pd.to_datetime(log["event_timestamp"], utc=True)
+    changed = set(log.user_id[(log.event_timestamp >= ML_END) & (log.event_timestamp < T2)])
+    with_history = set(log.user_id[log.event_timestamp < T2])
+    assert not second["full"] and 0 < second["users_embedded"] == len(changed)
+    assert second["users_carried"] == len(with_history - changed) and second["knn"]["queried"] == len(changed)
+    got = off.read_table(act.offline, "user_embeddings", T2).to_pandas().set_index("user_id")
+    assert set(got.index) == with_history
+    stay = sorted(with_history - changed)
+    for col in ("vector", "neighbour_ids", "similarities"):
+        np.testing.assert_array_equal(np.stack(got.loc[stay, col]), np.stack(full_t1.loc[stay, col]))
+    assert (got.loc[stay, "embedded_at"].map(_utc) == ML_END).all()
+    # The changed users' vectors are what a full interval computes for them ...
+    full = replace(job, offline=str(tmp_path / "full"))
+    shutil.copytree(act.offline, full.offline)
+    for d in ("user_embeddings", "knn_index", "neighbours"):
+        shutil.rmtree(Path(full.offline) / d)
+    assert jobs.neighbours(spark, full, ML_END, T2)["full"]
+    ref = off.read_table(full.offline, "user_embeddings", T2).to_pandas().set_index("user_id")
+    moved = sorted(changed)
+    np.testing.assert_allclose(np.stack(got.loc[moved, "vector"]), np.stack(ref.loc[moved, "vector"]), atol=1e-6)
+    # ... and their neighbours are the exact top-k over the index's (T1) vectors, themselves left out.
+    index_ids = full_t1.index.to_numpy()
+    sims = np.stack(got.loc[moved, "vector"]) @ np.stack(full_t1["vector"]).T
+    sims[np.array(moved)[:, None] == index_ids[None, :]] = -np.inf
+    k = job.precompute.knn_k
+    top = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+    np.testing.assert_allclose(np.stack(got.loc[moved, "similarities"]), np.take_along_axis(sims, top, 1),
+                               rtol=1e-5, atol=1e-5)
+    assert all(len(set(a) - set(index_ids[t])) <= 1 for a, t in zip(got.loc[moved, "neighbour_ids"], top))
+    # Full again: other KNN settings, and an index as old as knn_rebuild_hours.
+    other = replace(act, precompute=replace(act.precompute, knn_k=job.precompute.knn_k + 1))
+    assert "another model version or KNN settings" in jobs.neighbours(spark, other, ML_END, T2)["full_because"]
+    due = replace(act, precompute=replace(act.precompute, knn_rebuild_hours=24))
+    assert "24 h old or more" in jobs.neighbours(spark, due, ML_END, T2)["full_because"]

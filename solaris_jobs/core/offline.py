@@ -24,7 +24,8 @@ with ``_SUCCESS``, no pointer) are still read.
 
 Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection``, ``pair_embeddings``,
 ``embedding_rejects`` (pairs whose FM output was not finite, with a ``reason``), ``user_aggregates``,
-``user_embeddings``, ``neighbours``.
+``user_embeddings`` (with each user's neighbour list and the time the vector was computed), ``neighbours``, and
+``knn_index`` (the FAISS index of a full neighbours interval, files not parquet: ``index.faiss``, ``ids.npy``).
 """
 from __future__ import annotations
 
@@ -322,6 +323,19 @@ def stage_table(table: pa.Table, offline, dataset: str, end) -> Staged:
     fs.create_dir(path, recursive=True)
     pq.write_table(table, f"{path}/part-00000.parquet", filesystem=fs, coerce_timestamps="us",
                    allow_truncated_timestamps=True)
+    with fs.open_output_stream(f"{path}/_SUCCESS"):
+        pass
+    return staged
+
+
+def stage_files(offline, dataset: str, end, files: dict) -> Staged:
+    """``stage`` for named binary files (e.g. a serialized index): ``files`` maps a name to bytes or a buffer."""
+    staged = _new_run(offline, dataset, end)
+    fs, path = filesystem(staged.path)
+    fs.create_dir(path, recursive=True)
+    for name, data in files.items():
+        with fs.open_output_stream(f"{path}/{name}") as f:
+            f.write(data)
     with fs.open_output_stream(f"{path}/_SUCCESS"):
         pass
     return staged

@@ -77,7 +77,13 @@ class PrecomputeConfig:
         batch_size: rows per model batch on executors.
         device: torch device for the models (``auto``: CUDA when present).
         aggregate_hours: window of the user aggregate.
-        knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search.
+        knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search, with
+            ``knn_hnsw_m`` links per node and ``knn_ef_search`` (``benchmarks/knn_scale.py`` measured the choice).
+        knn_requery: ``all``: every user with history is embedded and queried each interval; ``active``: only
+            the users with an event since the previous interval (the others keep their vector and neighbour list),
+            against the index built at the last full interval; a full interval comes every
+            ``knn_rebuild_hours`` (everyone re-embedded, the index rebuilt), or when the previous state cannot be
+            used (none, another model version or KNN settings).
         torch_threads: torch threads per Spark task.
     """
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
@@ -98,6 +104,10 @@ class PrecomputeConfig:
     aggregate_hours: float = Field(24.0, gt=0)
     knn_k: int = Field(10, ge=1)
     knn_exact_max: int = Field(100_000, ge=0)
+    knn_hnsw_m: int = Field(32, ge=4)
+    knn_ef_search: int = Field(128, ge=1)
+    knn_requery: Literal["all", "active"] = "all"
+    knn_rebuild_hours: float = Field(24.0, gt=0)
     torch_threads: int = Field(1, ge=1)
 
 
@@ -305,6 +315,11 @@ FLAGS = (
     Flag("--knn-k", "precompute.knn_k", "Neighbours per user.", "int"),
     Flag("--knn-exact-max", "precompute.knn_exact_max", "Exact FAISS search up to this many users, HNSW above "
                                                         "(recall measured and logged).", "int"),
+    Flag("--knn-requery", "precompute.knn_requery", "all: embed and query every user each interval; active: "
+                                                    "only users with new events, against the last full interval's "
+                                                    "index.", "choice", ("all", "active")),
+    Flag("--knn-rebuild-hours", "precompute.knn_rebuild_hours", "With --knn-requery active: a full interval "
+                                                                "(everyone, new index) this often.", "float"),
     Flag("--aggregate-hours", "precompute.aggregate_hours", "Window of the user aggregate.", "float"),
     Flag("--miss-hours", "precompute.miss_hours", "Serving misses recorded this many hours before T are forced "
                                                   "into the selection.", "float"),

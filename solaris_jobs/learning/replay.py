@@ -139,7 +139,7 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
                            "pairs_selected": sel["pairs_selected"], "budget_pairs": sel.get("budget_pairs"),
                            "expected_rows": sel.get("expected_rows"), "pool": sel.get("by_source"),
                            "pairs_embedded": stats["embed"]["pairs"], "aggregates": stats["aggregate"]["users"],
-                           "users_embedded": stats["neighbours"]["users_with_history"],
+                           "users_embedded": stats["neighbours"]["users_embedded"],
                            "neighbours": stats["neighbours"]["users_with_neighbour_embedding"],
                            "written": {v: m["written"] for v, m in mat["views"].items()},
                            "seconds": {st: stats[st]["seconds"] for st in stats}})

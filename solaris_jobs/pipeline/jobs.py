@@ -21,6 +21,7 @@ Each step writes its output for the interval to a fresh folder and publishes it 
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import time
 from dataclasses import replace
@@ -28,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.events import to_utc
@@ -266,15 +268,58 @@ def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock
     return stats
 
 
+KNN_STATE_SETTINGS = ("knn_k", "knn_exact_max", "knn_hnsw_m", "knn_ef_search", "history_len", "lookback_days")
+
+
+def _knn_base(s: Settings, cfg, T: pd.Timestamp, version: str):
+    """What an ``active`` interval builds on: (the previous interval's end, the end of the full interval whose
+    index it queries), or None and why this interval is a full one."""
+    if cfg.knn_requery == "all":
+        return None, "knn_requery all"
+    prev = off.list_intervals(s.offline, "user_embeddings", before=T, last=1)
+    if not prev:
+        return None, "no earlier interval"
+    state = (off.read_stats(s.offline, "user_embeddings", prev[0]) or {}).get("knn_state") or {}
+    if state.get("model_version") != version or state.get("settings") != {k: getattr(cfg, k) for k in
+                                                                           KNN_STATE_SETTINGS}:
+        return None, f"the interval ending {prev[0].isoformat()} has another model version or KNN settings"
+    index_at = pd.Timestamp(state["index_from"])
+    if T - index_at >= pd.Timedelta(hours=cfg.knn_rebuild_hours):
+        return None, f"the index of {index_at.isoformat()} is {cfg.knn_rebuild_hours:g} h old or more"
+    if not off.is_complete(s.offline, "knn_index", index_at):
+        return None, f"the index of {index_at.isoformat()} is gone"
+    return (prev[0], index_at), None
+
+
+def _matrix(col: pa.ChunkedArray, width: int, dtype) -> np.ndarray:
+    """A list column whose lists all have ``width`` values as an (N, width) array."""
+    flat = pa.concat_arrays([c.flatten() for c in col.chunks]) if col.num_chunks else pa.array([], pa.float32())
+    return np.asarray(flat.to_numpy(zero_copy_only=False), dtype).reshape(len(col), width)
+
+
+def _lists(m: np.ndarray, typ) -> pa.Array:
+    """An (N, width) array as a list column (the inverse of ``_matrix``)."""
+    offsets = np.arange(len(m) + 1, dtype=np.int64) * m.shape[1]
+    if offsets[-1] >= 2**31:
+        return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(m.reshape(-1), typ))
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(m.reshape(-1), typ))
+
+
 @_releases_caches
 def neighbours(spark, s: Settings, start, end, *, events=None, models=None, clock=None,
                cache=None) -> dict:
-    """FM user embeddings of every user with history (executors), FAISS top-k (the driver: the index is one
-    piece), and each user's neighbour embedding = similarity-weighted mean of the neighbours' aggregates.
-    Outputs: ``user_embeddings`` and ``neighbours``."""
+    """FM user embeddings (executors), FAISS top-k (the driver: the index is one piece), and each user's neighbour
+    embedding = similarity-weighted mean of the neighbours' aggregates. Outputs: ``user_embeddings`` (vector,
+    when it was computed, neighbour list), ``neighbours``, and at a full interval ``knn_index``.
+
+    ``knn_requery = all``: every interval is full (every user with history embedded, indexed and queried).
+    ``active``: only users with an event since the previous interval are embedded and queried, against the index
+    of the last full interval; the others keep their vector and neighbour list; users whose whole history left the
+    lookback drop out. A full interval comes every ``knn_rebuild_hours`` (so a kept vector is at most that old)
+    and whenever the previous state cannot be used (``_knn_base``)."""
     from pyspark.sql import functions as F
 
-    from solaris_jobs.pipeline.knn import knn
+    from solaris_jobs.pipeline import knn
     t0 = time.perf_counter()
     _, T = interval(start, end)
     models = models if models is not None and models.fm is not None else _models_of_interval(s, T)
@@ -282,34 +327,103 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     version = models.embedding_version
     source = event_source(events, s.data)
     prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T, cfg.lookback_days)
+    base, full_because = _knn_base(s, cfg, T, version)
+    if base is not None:
+        changed = cache(prior.where(F.col("event_timestamp") >= F.lit(base[0].to_pydatetime()))
+                        .select("user_id").distinct())
+        prior = prior.join(changed, "user_id", "left_semi")
     uemb = cache(pc.embed_users(pc.user_histories(prior, cfg.history_len), models.fm, T, cfg))
-    staged = off.stage(uemb.where(F.col("reject_reason").isNull()).drop("reject_reason"), s.offline,
-                       "user_embeddings", T)
     n_bad = uemb.where(F.col("reject_reason").isNotNull()).count()
+    new = uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector").toArrow()
     uemb.unpersist()
-    # The FAISS index is the one piece held whole on the driver: N x d float32 (1M users x 128 = 512 MB).
-    table = spark.read.parquet(staged.path).toArrow()
-    _publish(staged, {"interval_end": T.isoformat(), "users": table.num_rows,
-                      "rejected": {pc.NONFINITE_USER: n_bad} if n_bad else {}}, clock)
-    ids = table.column("user_id").to_numpy()
-    vectors = (np.stack(table.column("vector").to_numpy(zero_copy_only=False)).astype(np.float32) if len(ids)
-               else np.zeros((0, 1), np.float32))
+    new_ids = new.column("user_id").to_numpy()
+    dim = len(new.column("vector")[0]) if len(new_ids) else 0
+    new_vec = _matrix(new.column("vector"), dim, np.float32)
+    del new
+    ids, vectors, at = new_ids, new_vec, np.full(len(new_ids), T.value // 1000, np.int64)
+    carried = 0
+    if base is None:
+        # The FAISS index is the one piece held whole on the driver: N x d float32 (1M users x 128 = 512 MB).
+        index, kind = knn.build_index(vectors, cfg.knn_exact_max, cfg.knn_hnsw_m) if len(ids) else (None, "none")
+        index_ids, index_at = ids, T
+    else:
+        prev_at, index_at = base
+        now = source.spark(spark, start=read_from(T, cfg.lookback_days), end=T)
+        now = pc.prior_events(now, T, cfg.lookback_days).select("user_id").distinct().toArrow().column(0).to_numpy()
+        gone = np.concatenate([changed.toArrow().column(0).to_numpy(), new_ids])
+        prev = off.read_table(s.offline, "user_embeddings", prev_at)
+        prev_ids = prev.column("user_id").to_numpy()
+        keep = np.isin(prev_ids, now) & ~np.isin(prev_ids, gone)
+        carried = int(keep.sum())
+        prev = prev.filter(pa.array(keep))
+        folder = off.require(s.offline, "knn_index", index_at)
+        index = knn.deserialize(off.read_bytes(off.join(folder, "index.faiss")))
+        index_ids = np.load(io.BytesIO(off.read_bytes(off.join(folder, "ids.npy"))))
+        kind = (off.read_stats(s.offline, "knn_index", index_at) or {}).get("index")
+    kk = min(cfg.knn_k, max(len(index_ids) - 1, 0))
+    t_knn = time.perf_counter()
+    if kk and len(ids):
+        order = np.argsort(index_ids, kind="stable")
+        pos = np.searchsorted(index_ids, ids, sorter=order)
+        pos = np.minimum(pos, len(order) - 1)
+        own = np.where(index_ids[order[pos]] == ids, order[pos], -1)
+        rows, sim = knn.search(index, vectors, own, kk, cfg.knn_ef_search)
+    else:
+        rows, sim = np.full((len(ids), kk), -1, np.int64), np.zeros((len(ids), kk), np.float32)
+    nbr = knn.to_ids(index_ids, rows)
+    kstats = {"index": kind, "users": int(len(index_ids)), "k": kk, "queried": int(len(ids)),
+              "seconds": round(time.perf_counter() - t_knn, 2), "index_from": index_at.isoformat()}
+    if base is None and kind == "hnsw":
+        q = np.random.default_rng(0).choice(len(ids), min(1000, len(ids)), replace=False)
+        kstats["recall_at_k"] = knn.recall_at_k(index, vectors, rows[q], q, kk)
+    if base is not None and carried:
+        ids = np.concatenate([ids, prev.column("user_id").to_numpy()])
+        vectors = np.concatenate([vectors, _matrix(prev.column("vector"), dim, np.float32)])
+        at = np.concatenate([at, prev.column("embedded_at").cast(pa.int64()).to_numpy()])
+        nbr = np.concatenate([nbr, _matrix(prev.column("neighbour_ids"), kk, np.int64)])
+        sim = np.concatenate([sim, _matrix(prev.column("similarities"), kk, np.float32)])
+        del prev
+    order = np.argsort(ids, kind="stable")
+    table = pa.table({"user_id": pa.array(ids[order], pa.int64()), "vector": _lists(vectors[order], pa.float32()),
+                      "embedded_at": pa.array(at[order], pa.timestamp("us", tz="UTC")),
+                      "neighbour_ids": _lists(nbr[order], pa.int64()),
+                      "similarities": _lists(sim[order], pa.float32())})
+    del vectors
+    state = {"model_version": version, "settings": {k: getattr(cfg, k) for k in KNN_STATE_SETTINGS},
+             "index_from": index_at.isoformat()}
+    if base is None and index is not None:
+        # The index is published before the state that names it, so a state never points at a missing index.
+        _publish(off.stage_files(s.offline, "knn_index", T, {"index.faiss": knn.serialize(index),
+                                                             "ids.npy": _npy(index_ids)}),
+                 {"interval_end": T.isoformat(), "index": kind, "users": int(len(index_ids)),
+                  "model_version": version}, clock)
+    del index
+    staged = off.stage_table(table, s.offline, "user_embeddings", T)
     del table
-    nbr, sim, kstats = knn(ids, vectors, cfg.knn_k, cfg.knn_exact_max)
-    nb = spark.createDataFrame(pd.DataFrame({"user_id": ids, "neighbour_ids": list(nbr), "similarities": list(sim)}),
-                               "user_id long, neighbour_ids array<long>, similarities array<float>")
+    path = _publish(staged, {"interval_end": T.isoformat(), "users": int(len(ids)), "embedded": int(len(new_ids)),
+                             "carried": carried, "rejected": {pc.NONFINITE_USER: n_bad} if n_bad else {},
+                             "knn_state": state}, clock)
+    nb = spark.read.parquet(path).select("user_id", "neighbour_ids", "similarities")
     agg = off.read_interval(spark, s.offline, "user_aggregates", T)
     out = pc.neighbour_embeddings(nb, agg, T, version)
     staged = off.stage(out, s.offline, "neighbours", T)
     n = spark.read.parquet(staged.path).count()
-    stats = {"interval_end": T.isoformat(), "users_with_history": int(len(ids)), "users_with_neighbour_embedding": n,
-             "users_rejected": n_bad, "knn": kstats, "model_version": version,
+    stats = {"interval_end": T.isoformat(), "users_with_history": int(len(ids)), "users_embedded": int(len(new_ids)),
+             "users_carried": carried, "users_with_neighbour_embedding": n, "users_rejected": n_bad,
+             "full": base is None, "full_because": full_because, "knn": kstats, "model_version": version,
              "seconds": round(time.perf_counter() - t0, 2)}
     _publish(staged, stats, clock)
     if n_bad:
         logger.warning("neighbours %s: %d users set aside: %s", T, n_bad, pc.NONFINITE_USER)
-    logger.info("neighbours %s: %d users embedded, %d with a neighbour embedding, index %s", T, len(ids), n, kstats)
+    logger.info("neighbours %s: %d users embedded, %d carried, %d with a neighbour embedding, index %s", T,
+                len(new_ids), carried, n, kstats)
     return stats
+
+
+def _npy(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
 
 
 JOBS = {"select": select, "embed": embed, "aggregate": aggregate, "neighbours": neighbours}
