@@ -64,6 +64,22 @@ def test_wrong_file_names_file_and_column(tmp_path):
         movielens.build(tmp_path / "out", source=src)
 
 
+def test_empty_files_are_named_and_a_byte_order_mark_costs_no_row(tmp_path):
+    src = _grouplens(tmp_path / "gl", ["1\t10\t5\t881250949", "2\t11\t3\t881250950"])
+    data = (src / "u.data").read_bytes()
+    (src / "u.data").write_bytes(b"\xef\xbb\xbf" + data)
+    (src / "u.item").write_bytes(b"\xef\xbb\xbf" + (src / "u.item").read_bytes())
+    m = movielens.build(tmp_path / "out", source=src)
+    assert m["events"] == 2 and m["rejected"] == 0
+    assert sorted(ev.read_side(tmp_path / "out", "items")["item_id"]) == [10, 11]
+    for name in ("u.data", "u.user", "u.item"):
+        keep = (src / name).read_bytes()
+        (src / name).write_bytes(b"")
+        with pytest.raises(ev.DataContractError, match=rf"{name.replace('.', '[.]')}: no data lines \(empty file\)"):
+            movielens.build(tmp_path / "out2", source=src)
+        (src / name).write_bytes(keep)
+
+
 def test_recbole_header_missing_column(tmp_path):
     import io
     frame = movielens._read_delimited(io.StringIO("user_id:token\titem_id:token\ttimestamp:float\n1\t2\t3\n"),

@@ -78,7 +78,11 @@ def _read_recbole_member(zf: zipfile.ZipFile, wheel: Path, ext: str) -> tuple[pd
 
 def _read_delimited(buf, sep: str, name: str, header: bool, columns: list[str] | None = None) -> pd.DataFrame:
     """Reads a delimited text file as strings; typed recbole headers (``name:type``) lose their type suffix."""
-    lines = buf.read().splitlines()
+    text = buf.read()
+    # A byte-order mark (UTF-8's, or its bytes read as latin-1) is not part of the first line's first field.
+    for bom in ("\ufeff", "\xef\xbb\xbf"):
+        text = text.removeprefix(bom)
+    lines = text.splitlines()
     if header:
         if not lines:
             raise DataContractError(f"{name}: empty file")
@@ -86,6 +90,8 @@ def _read_delimited(buf, sep: str, name: str, header: bool, columns: list[str] |
         lines, first = lines[1:], 2
     else:
         first = 1
+    if not lines:
+        raise DataContractError(f"{name}: no data lines (empty file)")
     rows = [ln.split(sep) for ln in lines]
     width = len(columns)
     good = [r for r in rows if len(r) == width]
