@@ -6,10 +6,10 @@ model). The only I/O here is that file; everything else (registries, versions a 
 May import: ``solaris_jobs.core`` (the tiers and token vocabularies the model inputs share).
 """
 from models.autoencoder import AEConfig, Autoencoder
-from models.checkpoint import load_checkpoint, save_checkpoint
+from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from models.common import batch_to_tensors
 from models.fm import FMConfig, FoundationModel
 from models.vm import TIERS, VMConfig, VerticalModel
 
 __all__ = ["AEConfig", "Autoencoder", "FMConfig", "FoundationModel", "VMConfig", "VerticalModel", "TIERS",
-           "batch_to_tensors", "load_checkpoint", "save_checkpoint"]
+           "batch_to_tensors", "CheckpointError", "load_checkpoint", "save_checkpoint"]

@@ -1,10 +1,14 @@
-"""Checkpoints carry the model kind, its config as a dict, a model version and the state dict, so that loading
-rebuilds the exact model (as nanoGPT stores ``model_args``)."""
+"""Checkpoints carry a format number, the model kind, its config as a dict, a model version and the state dict, so
+that loading rebuilds the exact model (as nanoGPT stores ``model_args``). They hold tensors and plain Python values
+only and are loaded with ``torch.load(weights_only=True)``: a checkpoint cannot run code when it is read."""
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import pickle
+import zipfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,6 +17,13 @@ import torch
 from models.autoencoder import AEConfig, Autoencoder
 from models.fm import FMConfig, FoundationModel
 from models.vm import VMConfig, VerticalModel
+
+FORMAT = 1          # bump when what a checkpoint holds changes; 0: written before the format was recorded
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded by this code: corrupt, of another format or code version, another kind."""
+
 
 KINDS = {"fm": (FMConfig, FoundationModel), "ae": (AEConfig, Autoencoder), "vm": (VMConfig, VerticalModel)}
 
@@ -36,8 +47,10 @@ def model_version(model) -> str:
 def save_checkpoint(model, path: str | os.PathLike, extra: dict | None = None) -> str:
     """Saves ``{kind, config, model_version, state_dict, extra}`` atomically; returns the model version."""
     version = model_version(model)
-    state = {"kind": _kind_of(model), "config": asdict(model.cfg), "model_version": version,
-             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "extra": extra or {}}
+    # extra as JSON values (numpy scalars become floats), so that the weights-only loader can read it back.
+    plain = json.loads(json.dumps(extra or {}, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+    state = {"format": FORMAT, "kind": _kind_of(model), "config": asdict(model.cfg), "model_version": version,
+             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "extra": plain}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -55,17 +68,42 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", kind: str | Non
         (model, checkpoint dict without the state dict).
 
     Raises:
-        ValueError: the file holds another kind of model than ``kind``.
+        FileNotFoundError: no such file.
+        CheckpointError: (a ValueError) the file is not a readable checkpoint (corrupt, truncated, holds code), was
+            written in a newer format or by a code version whose model config differs, or holds another kind of
+            model than ``kind``.
     """
-    state = torch.load(path, map_location=map_location, weights_only=False)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint there (train one with `solaris train`)")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable SOLARIS checkpoint ({first[:200]})") from e
+    if not isinstance(state, dict) or "kind" not in state or "state_dict" not in state:
+        raise CheckpointError(f"{path}: not a SOLARIS checkpoint (no kind and state_dict)")
+    fmt = state.get("format", 0)
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {fmt!r} is newer than this code reads ({FORMAT}); "
+                              "upgrade SOLARIS or retrain with this version")
+    if state["kind"] not in KINDS:
+        raise CheckpointError(f"{path}: unknown model kind {state['kind']!r} (expected one of {sorted(KINDS)})")
     if kind is not None and state["kind"] != kind:
-        raise ValueError(f"{path}: holds a {state['kind']!r} model, expected {kind!r}")
+        raise CheckpointError(f"{path}: holds a {state['kind']!r} model, expected {kind!r}")
     cfg_cls, model_cls = KINDS[state["kind"]]
-    cfg = state["config"]
+    cfg = dict(state["config"])
     if "hidden" in cfg:
         cfg["hidden"] = tuple(cfg["hidden"])
-    model = model_cls(cfg_cls(**cfg))
-    model.load_state_dict(state["state_dict"])
+    known = set(cfg_cls.__dataclass_fields__)
+    if set(cfg) - known:
+        raise CheckpointError(f"{path}: {state['kind']} config fields {sorted(set(cfg) - known)} are unknown to this "
+                              "code version (written by another SOLARIS version; retrain with this one)")
+    try:
+        model = model_cls(cfg_cls(**cfg))
+        model.load_state_dict(state["state_dict"])
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: its weights do not fit this code's {state['kind']} model "
+                              f"({str(e).splitlines()[0][:200]}); retrain with this version") from e
     model.eval()
     meta = {k: v for k, v in state.items() if k != "state_dict"}
     return model, meta

@@ -67,6 +67,56 @@ def test_checkpoint_round_trip_rebuilds_the_same_model(tmp_path):
         load_checkpoint(tmp_path / "vm.pt", kind="fm")
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_bad_checkpoints_give_a_clear_error_and_run_no_code(tmp_path):
+    import pickle
+
+    from models import CheckpointError
+    from models.checkpoint import FORMAT
+    fm = _fm()
+    good = tmp_path / "fm.pt"
+    save_checkpoint(fm, good, extra={"metrics": {"bce": np.float64(0.5)}})       # numpy scalars stored as floats
+    assert load_checkpoint(good)[1]["extra"] == {"metrics": {"bce": 0.5}}
+    state = torch.load(good, weights_only=True)
+    assert state["format"] == FORMAT
+
+    def bad(name, obj=None, raw=None):
+        p = tmp_path / name
+        if raw is not None:
+            p.write_bytes(raw)
+        else:
+            torch.save(obj, p)
+        return p
+
+    cases = {
+        bad("truncated.pt", raw=good.read_bytes()[:1000]): r"truncated\.pt: not a readable SOLARIS checkpoint",
+        bad("text.pt", raw=b"not a checkpoint"): r"text\.pt: not a readable SOLARIS checkpoint",
+        bad("newer.pt", {**state, "format": FORMAT + 1}): rf"newer\.pt: checkpoint format {FORMAT + 1} is newer",
+        bad("fields.pt", {**state, "config": {**state["config"], "n_experts": 4}}):
+            r"fields\.pt: fm config fields \['n_experts'\] are unknown to this code version",
+        bad("shape.pt", {**state, "config": {**state["config"], "d_model": state["config"]["d_model"] * 2}}):
+            r"shape\.pt: its weights do not fit this code's fm model",
+        bad("other.pt", {"weights": 1}): r"other\.pt: not a SOLARIS checkpoint",
+        # A pickle that would run code when loaded with weights_only=False.
+        bad("code.pt", raw=pickle.dumps(_Boom(tmp_path / "boom"))): r"code\.pt: not a readable SOLARIS checkpoint",
+    }
+    for path, msg in cases.items():
+        with pytest.raises(CheckpointError, match=msg):
+            load_checkpoint(path)
+    assert not (tmp_path / "boom").exists()
+    with pytest.raises(FileNotFoundError, match="missing.pt: no checkpoint there"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+class _Boom:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+        return (pathlib.Path.touch, (self.path,))
+
+
 def test_version_changes_with_weights():
     fm = _fm()
     from models.checkpoint import model_version
