@@ -345,3 +345,22 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
         assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"]
         np.testing.assert_array_equal(f.embeddings[:-1], np.stack(mine.embedding))
         reader.close()
+
+
+def test_a_redis_error_in_the_last_reply_is_raised_at_once(redis_server):
+    """An error reply is one line where a script's reply has three: the writer raises it instead of waiting for
+    lines that never come (it waited out the 60 s socket timeout, then reported a timeout)."""
+    from solaris_jobs.online.views import views
+    from solaris_jobs.online.writer import Encoded, RedisWriter
+    cfg = store_config.StoreConfig("redis", "solaris", Path("."), Path("."), nodes=(("127.0.0.1", redis_server.port),))
+    client = store_config.redis_client(cfg, timeout_s=60)
+    w = RedisWriter(client)
+    enc = Encoded(np.frombuffer(b"err:key1err:key2", "V8"), [np.frombuffer(b"v1v1v2v2", "V4")])
+    view = views()["user_aggregates"]
+    w.write(view, enc, 1, 0, 0, [b"f"])
+    assert w.flush() == (2, 0)
+    client.script_flush()                     # the next EVALSHA gets "-NOSCRIPT ..." (one line)
+    w.write(view, enc, 2, 0, 0, [b"f"])
+    with pytest.raises(RuntimeError, match="redis refused a write: NOSCRIPT"):
+        w.flush()
+    w.close()

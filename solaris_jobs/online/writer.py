@@ -161,12 +161,16 @@ class RedisWriter:
     def _read_one(self) -> None:
         kind, n = self.kinds.popleft()
         if kind == "script":
-            head, w, k = self._lines(3)           # *2, :written, :skipped
+            # *2, :written, :skipped; or one error line (raised by _lines): so the head is read on its own, not
+            # waited for with the two lines that an error reply does not have.
+            head, = self._lines(1)
             if head != b"*2":
                 raise RuntimeError(f"unexpected reply to the write script: {head!r}")
+            w, k = self._lines(2)
             self.written, self.skipped = self.written + int(w[1:]), self.skipped + int(k[1:])
         else:
-            lines = self._lines(2 * n)          # HSET's new-field count, then PEXPIREAT's 1, per key
+            lines = self._lines(2 * n)          # HSET's new-field count, then PEXPIREAT's 1, per key (an error
+            #                                     reply is one line too)
             if lines[1::2].count(b":1") != n:
                 raise RuntimeError("PEXPIREAT did not set an expiry on a key just written")
             self.written += n
