@@ -13,7 +13,7 @@ from solaris_jobs.core import offline as layout
 from solaris_jobs.online import feast_format as ff
 from solaris_jobs.online import store_config
 from solaris_jobs.online.materialize import materialize, materialized_intervals
-from solaris_jobs.online.misses import drain_misses
+from solaris_jobs.online.misses import ParquetSink, drain_misses
 from solaris_jobs.online.reader import FeatureReader
 from tests.support import ML_END, feast_yaml, RedisServer
 
@@ -255,8 +255,9 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_ser
     got = pd.read_parquet(folder)
     assert len(got) == expected and set(got.item_id) == set(unknown) | set(mine.item_id)
 
-    # A store that is down, or slower than the budget, fails open: zeros, tier none, counted, no exception.
-    down = FeatureReader(store, version, dim, budget_ms=50, misses=None)
+    # A store that is down, or slower than the budget, fails open: zeros, tier none, counted, no exception; and
+    # queues no misses (an outage would flood the queue with pairs that may well be in the store).
+    down = FeatureReader(store, version, dim, budget_ms=50, misses=ParquetSink(tmp_path / "down_misses"))
     assert down.read(user, items, ML_END + HOUR).tier_names()[0] == "pair"
     if store.kind == "redis":
         pause = redis.Redis(port=redis_server.port)
@@ -282,6 +283,10 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_ser
         down._reset()
         dead = down.read(user, items, ML_END + HOUR)
         assert dead.failed_open and set(dead.tier_names()) == {"none"}
+    failed = down.metrics.counts["fail_open"] + down.metrics.counts["fail_open_cooldown"]
+    assert failed == (3 if store.kind == "redis" else 1)
+    assert down.metrics.counts["misses_skipped_fail_open"] == failed * len(items)
+    assert down.metrics.counts["misses_queued"] == len(items) - n        # the first read's, which did read the store
     down.close()
 
 

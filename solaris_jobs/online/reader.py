@@ -10,7 +10,9 @@ zeros. Returns an (N, D) float32 matrix and a tier per row (``solaris_jobs.core.
 - Fail-open: a store that errors or does not answer within ``budget_ms`` gives zeros and tier none, counted, never an
   exception; after a failure the store is not tried again for ``cooldown_s`` (no timeout paid per request).
 - Misses (pairs without a fresh pair embedding) go to the bounded miss queue (``solaris_jobs.online.misses``); a full
-  queue drops and counts, it never blocks a request.
+  queue drops and counts, it never blocks a request. A read that failed open queues nothing (the store was not
+  read, so nothing is known to be missing; an outage must not flood the queue): its rows are counted as
+  ``misses_skipped_fail_open``.
 """
 from __future__ import annotations
 
@@ -261,9 +263,12 @@ class FeatureReader:
         for t in range(len(TIERS)):
             c[f"tier_{TIERS[t]}"] += int((tiers == t).sum())
         if self.misses is not None and n:
-            missed = items[tiers != T_PAIR]
-            if len(missed):
-                self.misses.put(int(user_id), missed, int(now_s * 1000))
+            if failed:
+                c["misses_skipped_fail_open"] += n
+            else:
+                missed = items[tiers != T_PAIR]
+                if len(missed):
+                    self.misses.put(int(user_id), missed, int(now_s * 1000))
         ms = (time.perf_counter() - t0) * 1000
         self.metrics.latencies_ms.append(ms)
         return Features(emb, tiers, ms, failed, ages)
