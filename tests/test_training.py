@@ -1,5 +1,6 @@
 """Training: determinism under a seed, and learning on real MovieLens-100K (several seeds)."""
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from models import load_checkpoint
@@ -72,3 +73,36 @@ def test_transfer_needs_an_autoencoder_of_the_same_fm(movielens_runs, movielens_
     with pytest.raises(ValueError, match="was trained on FM"):
         training.train_vm(data, tmp_path / "x.pt", training.TrainConfig(epochs=1, history_len=30),
                           mode="transfer", fm_path=a["dir"] / "fm.pt", ae_path=b["dir"] / "ae.pt")
+
+
+def test_training_applies_the_event_contract_and_refuses_ambiguous_side_tables(synth_root, tmp_path):
+    """Rows the refresh would set aside (bad ids, a label that is not 0/1, a time far in the future) are set aside
+    by training too, counted per reason: rows read = rows trained on + rows set aside. A side table with a
+    duplicated id is an error naming the file, column and values."""
+    import shutil
+
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from solaris_jobs.core import events as ev
+    root = tmp_path / "data"
+    shutil.copytree(synth_root, root)
+    clean = training.load_dataset(str(root), history_len=5)
+    n_clean = len(clean.train) + len(clean.valid) + len(clean.test)
+    t = pd.Timestamp(clean.cuts[0], unit="us", tz="UTC")
+    bad = pd.DataFrame({"user_id": [1, 0, 2, 3], "item_id": [1, 1, 1, 2], "label": [7, 1, 0, 1],
+                        "event_timestamp": [t, t, pd.Timestamp.now(tz="UTC") + pd.Timedelta(days=30), t]})
+    ev.write_events(bad.astype({"label": "int8"}), root, part="bad")
+    data = training.load_dataset(str(root), history_len=5)
+    assert data.rows["events_set_aside"] == {"label is not 0, 1 or null": 1, "user_id is null or <= 0": 1,
+                                             ev.FUTURE_REASON: 1}
+    used = len(data.train) + len(data.valid) + len(data.test)
+    assert used == n_clean + 1 and data.rows["events_read"] == used + 3
+    assert set(data.train.label.tolist() + data.valid.label.tolist() + data.test.label.tolist()) <= {-1.0, 0.0, 1.0}
+    users = pq.read_table(root / "users.parquet").to_pandas()
+    pq.write_table(pa.Table.from_pandas(pd.concat([users, users.head(2)]), preserve_index=False),
+                   root / "users.parquet")
+    dup = sorted(users.user_id.head(2).tolist())
+    with pytest.raises(ev.DataContractError, match=rf"users\.parquet: column user_id has 2 duplicated values, "
+                                                   rf"e\.g\. \[{dup[0]}, {dup[1]}\]"):
+        training.load_dataset(str(root), history_len=5)

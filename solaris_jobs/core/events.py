@@ -186,17 +186,45 @@ def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str
 
 def bad_event_counts(table: pa.Table) -> dict[str, int]:
     """Rows of an event table that ``precompute.split_bad_events`` sets aside, counted per reason."""
+    return bad_event_rows(table)[1]
+
+
+FUTURE_REASON = "event_timestamp is more than 1 day after now"
+
+
+def bad_event_rows(table: pa.Table, now=None) -> tuple[np.ndarray, dict[str, int]]:
+    """(bad-row mask, counts per reason): the rows ``precompute.split_bad_events`` sets aside (first reason that
+    applies counts), and with ``now`` also rows time-stamped more than a day after it (``FUTURE_REASON``)."""
     def nonpositive(col):
         return pc.fill_null(pc.less_equal(table[col], 0), True)
     masks = [nonpositive("user_id"), nonpositive("item_id"), pc.is_null(table["event_timestamp"]),
              pc.fill_null(pc.invert(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), False)]
+    reasons = list(BAD_EVENT_REASONS)
+    if now is not None:
+        late = pa.scalar((to_utc(now) + pd.Timedelta(days=1)).to_pydatetime(), table.schema.field(
+            "event_timestamp").type)
+        masks.append(pc.fill_null(pc.greater(table["event_timestamp"], late), False))
+        reasons.append(FUTURE_REASON)
     taken = np.zeros(table.num_rows, bool)
     out = {}
-    for reason, mask in zip(BAD_EVENT_REASONS, masks):
+    for reason, mask in zip(reasons, masks):
         m = mask.to_numpy(zero_copy_only=False) & ~taken
         out[reason] = int(m.sum())
         taken |= m
-    return out
+    return taken, out
+
+
+def check_unique_ids(side: pd.DataFrame, key: str, source: str) -> None:
+    """A side table holds one row per id.
+
+    Raises:
+        DataContractError: ``key`` has duplicated values (the first few are named).
+    """
+    dup = side[key][side[key].duplicated(keep=False)]
+    if len(dup):
+        vals = sorted(set(dup.tolist()))
+        raise DataContractError(f"{source}: column {key} has {len(vals)} duplicated values, e.g. {vals[:5]} (a side "
+                                "table holds one row per id)")
 
 
 def _and(a, b):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pyarrow as pa
 import torch
 
 from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, VMConfig, VerticalModel, batch_to_tensors,
@@ -55,6 +57,7 @@ class Dataset:
     user_side: dict
     item_side: dict
     tables: dict = field(repr=False, default_factory=dict)
+    rows: dict = field(default_factory=dict)      # events read, and set aside per reason (the event contract)
 
 
 def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_train_rows: int | None = None,
@@ -72,6 +75,14 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
     table = ev.read_events(root)
     if table.num_rows == 0:
         raise ev.DataContractError(f"{root}: the event log is empty")
+    # The event contract, as the refresh applies it: bad rows are set aside and counted, never trained on.
+    bad, rejected = ev.bad_event_rows(table, now=pd.Timestamp.now(tz="UTC"))
+    rejected = {k: v for k, v in rejected.items() if v}
+    if rejected:
+        logger.warning("%s: %d event rows set aside before training: %s", root, int(bad.sum()), rejected)
+        table = table.filter(pa.array(~bad))
+        if table.num_rows == 0:
+            raise ev.DataContractError(f"{root}: every event row breaks the contract ({rejected})")
     index = EventIndex(table)
     examples = Examples.from_events(index, table, history_len)
     if cuts is not None:
@@ -86,6 +97,8 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
         train, valid, test = (_sample(m, n, rng) for m, n in
                               ((train, max_train_rows), (valid, max_train_rows // 4), (test, max_train_rows // 4)))
     users, items = ev.read_side(root, "users"), ev.read_side(root, "items")
+    ev.check_unique_ids(users, "user_id", f"{root}/users.parquet")
+    ev.check_unique_ids(items, "item_id", f"{root}/items.parquet")
     n_users = int(max(table.column("user_id").to_numpy().max(), users["user_id"].max() if len(users) else 0)) + 1
     n_items = int(max(table.column("item_id").to_numpy().max(), items["item_id"].max() if len(items) else 0)) + 1
     uspec, ucat, umulti = side_tables(users, "user_id", n_users)
@@ -95,7 +108,8 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
     logger.info("loaded %s: %d events (train %d, valid %d, test %d) in %.1fs", root, len(examples), train.sum(),
                 valid.sum(), test.sum(), time.perf_counter() - t0)
     return Dataset(str(root), index, examples.subset(train), examples.subset(valid), examples.subset(test), cuts,
-                   as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)})
+                   as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)},
+                   {"events_read": int(len(bad)), "events_set_aside": rejected})
 
 
 def _sample(mask: np.ndarray, n: int, rng) -> np.ndarray:
@@ -235,7 +249,8 @@ def _final_metrics(model, data: Dataset, run: dict, t0: float) -> dict:
     seconds = time.perf_counter() - t0
     valid, test = evaluate(model, data.valid), evaluate(model, data.test)
     m = {"valid_bce": valid["bce"], "valid_auc": valid["auc"], "test_bce": test["bce"], "test_auc": test["auc"],
-         "train_seconds": round(seconds, 1), **run, "split": _split_info(data), "base_rate": _base_rate(data)}
+         "train_seconds": round(seconds, 1), **run, "split": _split_info(data), "base_rate": _base_rate(data),
+         "events": data.rows}
     logger.info("test BCE %.4f AUC %.4f (base rate BCE %.4f), %.1fs", test["bce"], test["auc"],
                 m["base_rate"]["test_bce"], seconds)
     return m
