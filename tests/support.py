@@ -288,3 +288,21 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def processes_with_env(key: str, value: str) -> list[int]:
+    """PIDs of the live processes whose environment has ``key=value`` (e.g. every service and worker of one
+    ``AIRFLOW_HOME``, whatever session or parent it has)."""
+    want = f"{key}={value}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            state = next((ln for ln in (d / "status").read_text().splitlines() if ln.startswith("State:")), "")
+        except OSError:
+            continue
+        if want in env and "zombie" not in state:
+            out.append(int(d.name))
+    return out

@@ -307,3 +307,42 @@ def test_reembed_finds_the_latest_intervals_start():
     assert latest_start({t: {}, t - 6 * HOUR: {}}) == t - 6 * HOUR        # recorded before starts were
     with pytest.raises(ValueError, match="no recorded start"):
         latest_start({t: {}})
+
+
+def test_solaris_airflow_stopped_by_sigterm_leaves_no_process(tmp_path):
+    """`solaris airflow` under a process supervisor or a container stop gets SIGTERM, not Ctrl-C: it stops its
+    API server, scheduler, DAG processor and triggerer (each in its own session) and their workers too."""
+    import signal
+    import time
+
+    from tests.support import processes_with_env
+    home = (tmp_path / "airflow").resolve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "SOLARIS_"))}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "solaris"), "airflow", "--home", str(home),
+                             "--port", "0", "--no-spark-connect"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Airflow UI and API:" in line:
+                break
+        assert proc.poll() is None, "".join(lines[-20:])
+        services = processes_with_env("AIRFLOW_HOME", str(home))
+        assert len(services) >= 4, services                      # api-server, scheduler, dag-processor, triggerer
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while processes_with_env("AIRFLOW_HOME", str(home)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert processes_with_env("AIRFLOW_HOME", str(home)) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for _ in range(5):                                            # what a failed stop left, forks included
+            for pid in processes_with_env("AIRFLOW_HOME", str(home)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)

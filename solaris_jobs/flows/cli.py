@@ -466,7 +466,8 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
 def airflow_cmd(home, port, password, spark_connect) -> None:
     """Start Airflow for real with the project's DAGs: API server + UI, scheduler, DAG processor, triggerer
     (LocalExecutor, SQLite), and a Spark Connect server for the tasks. The SOLARIS_* settings of this shell are
-    passed to the tasks. Ctrl-C stops it."""
+    passed to the tasks. Ctrl-C, SIGTERM or SIGHUP stops it all."""
+    import signal
     import time
 
     from solaris_jobs.dev.airflow_local import LocalAirflow
@@ -475,6 +476,14 @@ def airflow_cmd(home, port, password, spark_connect) -> None:
     spark_connect = spark_connect and not os.environ.get(env_var("spark_master"), "").startswith("sc://") \
         and not os.environ.get(SPARK_CONN_ENV)
     af = LocalAirflow(home, port or None, password=password, spark_connect=spark_connect)
+
+    def terminate(signum, frame):
+        # SIGTERM (a process supervisor, a container stop) and SIGHUP stop the services like Ctrl-C does: they run
+        # in their own sessions, so nobody else would.
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGHUP, terminate)
     try:
         af.start()
         click.echo(f"Airflow UI and API: {af.url}  (user admin, password {af.password}); logs in {af.home}"
