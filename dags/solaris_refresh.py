@@ -65,7 +65,9 @@ def _settings():
 def _run(step: str) -> dict:
     from solaris_jobs.flows import refresh_steps as o
     ctx = get_current_context()
-    return o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"])
+    # The run id owns the interval's lease for the run's steps: another run of the same interval (a backfill beside
+    # the schedule) stops with a clear error instead of mixing its outputs with this one's.
+    return o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"], owner=ctx["run_id"])
 
 
 def _settings_json() -> str:
@@ -76,7 +78,8 @@ def _settings_json() -> str:
 def _spark_submit(step: str, script: str, **kwargs):
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
     args = ["--settings", "{{ solaris_settings() }}",
-            "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}"]
+            "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}",
+            "--lease-owner", "{{ run_id }}"]
     return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
                                application_args=args, doc_md=DOCS[step], **kwargs)
 

@@ -209,6 +209,44 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
     assert _dump_sqlite(tmp_path / "online.db") == before
 
 
+def test_two_runs_of_one_interval_started_at_once_one_refused_the_other_complete(airflow_env, spark, tmp_path,
+                                                                                  monkeypatch):
+    """Two `solaris backfill`s of the same interval started together (as a backfill beside the scheduled run): the
+    interval's lease lets one run its steps; the other is refused at its first step, naming the holder, and writes
+    nothing; the interval ends complete, and its lease is released for the next run."""
+    import threading
+
+    from solaris_jobs.flows import refresh_steps as o
+    from solaris_jobs.online import lease
+    monkeypatch.setenv("SOLARIS_OFFLINE", str(tmp_path / "offline"))
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(_sqlite_yaml(tmp_path)))
+    s = Settings.from_env()
+    start = ML_END - HOUR
+    gate, results = threading.Barrier(2), {}
+
+    def run(name):
+        gate.wait()
+        try:
+            results[name] = o.backfill(s, start, ML_END)
+        except Exception as e:                                         # noqa: BLE001 (the test inspects it)
+            results[name] = e
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    refused = [r for r in results.values() if isinstance(r, lease.LeaseHeld)]
+    done = [r for r in results.values() if isinstance(r, list)]
+    assert len(refused) == 1 and len(done) == 1, results
+    assert refused[0].holder.startswith("backfill-") and done[0][0]["status"] == "done"
+    assert o.interval_complete(s, ML_END) and lease.holder(o.store(s), ML_END) is None
+    # Only the winner's outputs were published: one run folder per dataset, the winner's selection stats.
+    from solaris_jobs.core import offline as off
+    assert off.read_stats(s.offline, "selection", ML_END)["pairs_selected"] == \
+        done[0][0]["steps"]["select"]["pairs_selected"]
+
+
 def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
     """API server, scheduler, DAG processor and triggerer as real processes on free ports, and the Spark Connect
     server `solaris airflow` starts beside them. One run is triggered and watched through the REST API, the

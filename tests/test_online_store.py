@@ -369,3 +369,29 @@ def test_a_redis_error_in_the_last_reply_is_raised_at_once(redis_server):
     with pytest.raises(RuntimeError, match="redis refused a write: NOSCRIPT"):
         w.flush()
     w.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+def test_interval_lease_one_owner_at_a_time_renewed_released_and_expiring(kind, redis_server, tmp_path):
+    """Two runs of one interval: the second is refused while the first holds the lease (and told who holds it),
+    the holder renews it, only the holder releases it, and a lease nobody renews expires."""
+    from solaris_jobs.online import lease
+    if kind == "redis":
+        cfg = store_config.StoreConfig("redis", "solaris", Path("."), Path("."),
+                                       nodes=(("127.0.0.1", redis_server.port),))
+    else:
+        cfg = store_config.StoreConfig("sqlite", "solaris", Path("."), Path("."), sqlite_path=tmp_path / "online.db")
+    end, other = ML_END + pd.Timedelta(days=400), ML_END + pd.Timedelta(days=401)
+    assert lease.acquire(cfg, end, "run-a", 60)["owner"] == "run-a"
+    with pytest.raises(lease.LeaseHeld, match=r"is being refreshed by run 'run-a'") as held:
+        lease.acquire(cfg, end, "run-b", 60)
+    assert held.value.holder == "run-a" and 0 < held.value.expires_in_s <= 60
+    assert lease.acquire(cfg, end, "run-a", 60)["owner"] == "run-a"          # renewed by its holder
+    assert lease.acquire(cfg, other, "run-b", 60)                           # other intervals are independent
+    assert not lease.release(cfg, end, "run-b") and lease.holder(cfg, end) == "run-a"
+    assert lease.release(cfg, end, "run-a") and lease.holder(cfg, end) is None
+    assert lease.acquire(cfg, end, "run-b", 0.3)["owner"] == "run-b"
+    time.sleep(0.5)
+    assert lease.holder(cfg, end) is None and lease.acquire(cfg, end, "run-c", 60)["owner"] == "run-c"
+    for e, o in ((end, "run-c"), (other, "run-b")):
+        assert lease.release(cfg, e, o)

@@ -133,6 +133,8 @@ class Settings:
         spark_driver_memory: driver heap of a local Spark (also the executors' in local mode).
         spark_log_level: Spark's log level.
         log_level: SOLARIS's log level in job processes (spark-submit drivers).
+        lease_minutes: how long a run's lease of its interval lasts unless a step renews it
+            (``solaris_jobs.online.lease``); longer than any task may run.
     """
     data: str = ""
     offline: str = ""
@@ -145,6 +147,7 @@ class Settings:
     spark_driver_memory: str = "4g"
     spark_log_level: str = "WARN"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    lease_minutes: float = Field(180.0, gt=0)
 
     @field_validator("log_level", "spark_log_level", mode="before")
     @classmethod
@@ -244,6 +247,7 @@ ENV = {  # variable -> Settings field
     "SOLARIS_SPARK_DRIVER_MEMORY": "spark_driver_memory",
     "SOLARIS_SPARK_LOG_LEVEL": "spark_log_level",
     "SOLARIS_LOG_LEVEL": "log_level",
+    "SOLARIS_LEASE_MINUTES": "lease_minutes",
 }
 _VAR = {name: var for var, name in ENV.items()}
 _ADAPTER = TypeAdapter(Settings)

@@ -336,13 +336,21 @@ def _job_command(name: str, steps: tuple, help_text: str):
     @click.option("--every", default=None, help="Split [start, end) into intervals of this length (e.g. 1h) and run "
                                                 "them in order.")
     @click.option("--stats-out", default=None, help="Also write the stats (JSON) to this local file.")
+    @click.option("--lease-owner", default=None, help="Hold each interval's lease for this run id while the step runs "
+                                                     "(what the DAG passes: another run of the interval is refused).")
     @_settings_options
-    def command(start, end, every, stats_out, **kw):
-        from solaris_jobs.flows.refresh_steps import run_intervals
+    def command(start, end, every, stats_out, lease_owner, **kw):
+        from solaris_jobs.flows.refresh_steps import leased, run_intervals
         from solaris_jobs.pipeline import jobs
         s = _settings(kw)
         spark = jobs.session(s, name)
-        out = run_intervals(start, end, every, lambda a, b: jobs.run(spark, s, a, b, steps), desc=name)
+
+        def one(a, b):
+            if lease_owner:
+                return leased(s, b, lease_owner, lambda: jobs.run(spark, s, a, b, steps))
+            return jobs.run(spark, s, a, b, steps)
+
+        out = run_intervals(start, end, every, one, desc=name)
         out = out[0] if len(out) == 1 else out
         _write_stats(stats_out, out)
         _echo_json(out)

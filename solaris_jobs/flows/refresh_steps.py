@@ -125,23 +125,51 @@ _LOCAL_STEPS = {"validate": validate, "drain_misses": drain_miss_stream, "materi
                 "report": report}
 
 
-def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, models=None, clock=None) -> dict:
+def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, models=None, clock=None,
+             owner: str | None = None) -> dict:
     """Any step by name for the interval; the stats as plain JSON types (an Airflow XCom).
 
     Args:
         spark: a session to reuse for the Spark steps (None: ``jobs.session(s)``).
         events, models, clock: see ``solaris_jobs.pipeline.jobs``; pass an ``event_source.EventTable`` to share one
             cached Spark copy of events in memory across calls.
+        owner: the run this step belongs to (an Airflow run id, a backfill's id): the step holds the interval's
+            lease for it (``leased``); None: no lease (a replay, a test that owns its store).
+
+    Raises:
+        lease.LeaseHeld: another run holds the interval.
     """
     start, end = interval(start, end)
-    if step in SPARK_STEPS:
-        spark = spark or jobs.session(s, step)
-        out = jobs.run(spark, s, start, end, (step,), events=events, models=models, clock=clock)[step]
-    elif step in _LOCAL_STEPS:
-        out = _LOCAL_STEPS[step](s, start, end, events=events, clock=clock)
-    else:
+    if step not in SPARK_STEPS and step not in _LOCAL_STEPS:
         raise ValueError(f"unknown step {step!r}: {STEPS}")
+
+    def go() -> dict:
+        if step in SPARK_STEPS:
+            return jobs.run(spark or jobs.session(s, step), s, start, end, (step,), events=events, models=models,
+                            clock=clock)[step]
+        return _LOCAL_STEPS[step](s, start, end, events=events, clock=clock)
+
+    out = leased(s, end, owner, go, release=step == STEPS[-1]) if owner else go()
     return json.loads(json.dumps(out, default=str))
+
+
+def leased(s: Settings, end, owner: str, fn, release: bool = False):
+    """``fn()`` holding the interval's lease for ``owner`` (taken or renewed before and renewed after; released
+    after it when ``release``: the run's last step). A failure keeps the lease, so the run's retry goes on and no
+    other run starts over its half-made outputs until it expires.
+
+    Raises:
+        lease.LeaseHeld: another run holds it (before ``fn`` ran).
+    """
+    from solaris_jobs.online import lease
+    cfg, ttl = store(s), s.lease_minutes * 60
+    lease.acquire(cfg, end, owner, ttl)
+    out = fn()
+    if release:
+        lease.release(cfg, end, owner)
+    else:
+        lease.acquire(cfg, end, owner, ttl)
+    return out
 
 
 def interval_complete(s: Settings, end) -> bool:
@@ -195,8 +223,10 @@ def backfill(s: Settings, start, end, every="1h", force: bool = False, progress:
         Per interval: {"interval_start", "interval_end", "status": "done" | "skipped", "steps": {step: stats},
         "seconds": {step: s}}.
     """
+    import uuid
     session = []
     events = event_source(events) if events is not None else None        # one cached copy for every interval
+    owner = f"backfill-{uuid.uuid4().hex[:12]}"                          # this backfill's lease on each interval
 
     def one(a, b):
         steps, secs = {}, {}
@@ -205,9 +235,13 @@ def backfill(s: Settings, start, end, every="1h", force: bool = False, progress:
                 session.append(jobs.session(s, "backfill"))
             t0 = time.perf_counter()
             try:
-                steps[step] = run_step(s, step, a, b, session[0] if session else None, events=events, clock=clock)
-            except Exception:
+                steps[step] = run_step(s, step, a, b, session[0] if session else None, events=events, clock=clock,
+                                       owner=owner)
+            except Exception as e:
                 logger.error("backfill: interval ending %s failed in step %s", b, step)
+                from solaris_jobs.online import lease
+                if not isinstance(e, lease.LeaseHeld):
+                    lease.release(store(s), b, owner)        # this process retries nothing: free the interval now
                 raise
             secs[step] = round(time.perf_counter() - t0, 2)
         return {"interval_start": a.isoformat(), "interval_end": b.isoformat(), "status": "done", "steps": steps,
