@@ -395,3 +395,20 @@ def test_interval_lease_one_owner_at_a_time_renewed_released_and_expiring(kind, 
     assert lease.holder(cfg, end) is None and lease.acquire(cfg, end, "run-c", 60)["owner"] == "run-c"
     for e, o in ((end, "run-c"), (other, "run-b")):
         assert lease.release(cfg, e, o)
+    if kind == "sqlite":
+        # The operator's view and override of a failed run's lease: `solaris lease show|release`.
+        import json
+
+        from click.testing import CliRunner
+
+        from solaris_jobs.flows.cli import main
+        lease.acquire(cfg, end, "failed-run", 600)
+        yaml_path = feast_yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'online.db'}")
+        env = {"FEAST_FS_YAML_FILE_PATH": str(yaml_path)}
+        runner, at = CliRunner(env=env), end.isoformat()
+        res = runner.invoke(main, ["lease", "show", "--end", at])
+        assert res.exit_code == 0 and json.loads(res.output)["holder"] == "failed-run", res.output
+        res = runner.invoke(main, ["lease", "release", "--end", at, "--owner", "someone-else"])
+        assert res.exit_code != 0 and "holds no lease" in res.output and "'failed-run'" in res.output
+        res = runner.invoke(main, ["lease", "release", "--end", at, "--owner", "failed-run"])
+        assert res.exit_code == 0 and lease.holder(cfg, end) is None

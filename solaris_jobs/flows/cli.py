@@ -525,6 +525,46 @@ def misses_drain(offline, feature_repo) -> None:
     _echo_json(drain_misses(cfg, offline))
 
 
+@main.group()
+def lease() -> None:
+    """The per-interval leases that keep two runs of one interval apart (held in the online store)."""
+
+
+@lease.command("show")
+@click.option("--end", required=True, help="The interval's end (UTC).")
+@_repo_option
+def lease_show(end, feature_repo) -> None:
+    """Who holds the interval's lease (null: nobody)."""
+    from solaris_jobs.online import lease as ls
+    from solaris_jobs.online import store_config
+    _echo_json({"interval_end": _utc_arg(end, "--end").isoformat(),
+                "holder": ls.holder(store_config.load(feature_repo), _utc_arg(end, "--end"))})
+
+
+@lease.command("release")
+@click.option("--end", required=True, help="The interval's end (UTC).")
+@click.option("--owner", required=True, help="The run that holds it (as `solaris lease show` or the error names it).")
+@_repo_option
+def lease_release(end, owner, feature_repo) -> None:
+    """Free an interval that a failed run still holds, so that another run may refresh it now (a lease nobody
+    renews expires by itself after SOLARIS_LEASE_MINUTES)."""
+    from solaris_jobs.online import lease as ls
+    from solaris_jobs.online import store_config
+    cfg, t = store_config.load(feature_repo), _utc_arg(end, "--end")
+    if not ls.release(cfg, t, owner):
+        raise click.ClickException(f"run {owner!r} holds no lease of the interval ending {t.isoformat()} "
+                                   f"(holder: {ls.holder(cfg, t)!r})")
+    _echo_json({"interval_end": t.isoformat(), "released": owner})
+
+
+def _utc_arg(value: str, name: str):
+    from solaris_jobs.core.events import to_utc
+    try:
+        return to_utc(value)
+    except ValueError as e:
+        raise click.BadParameter(f"not a time: {value!r} ({e})", param_hint=name)
+
+
 def spark_submit_main(command: str) -> None:
     """What ``spark_jobs/<script>.py`` runs under spark-submit: ``solaris <command>`` with the script's arguments."""
     main([command, *sys.argv[1:]], prog_name=sys.argv[0], obj={"spark_submit": True})
