@@ -11,7 +11,9 @@ class SideEmbedding(nn.Module):
     multi-valued embeddings. The lookup tables are buffers, so a checkpoint carries them.
 
     Args:
-        side: ``{"n_ids": int, "categorical": {col: vocab}, "multi": {col: [vocab, width]}}``.
+        side: ``{"n_ids": int, "categorical": {col: vocab}, "multi": {col: [vocab, width]}}``, and ``"sparse":
+            true`` for sparse or hashed int64 ids: a sorted ``vocab`` buffer of the n_ids - 1 known ids maps an id
+            to its row (its position + 1; 0 for an unknown id) instead of the id being the row.
         dim: output width.
     """
 
@@ -27,18 +29,28 @@ class SideEmbedding(nn.Module):
         for emb in [self.ids, *self.cats, *self.multis]:
             # Small init: ids never seen in training (new users at test time) stay near zero, not random noise.
             nn.init.normal_(emb.weight, std=0.01)
+        self.sparse = bool(side.get("sparse", False))
+        if self.sparse:
+            self.register_buffer("vocab", torch.zeros(self.n_ids - 1, dtype=torch.long))
         self.register_buffer("cat_table", torch.zeros(self.n_ids, len(self.cat_cols), dtype=torch.long))
         for c, v in side.get("multi", {}).items():
             self.register_buffer(f"multi_{c}", torch.zeros(self.n_ids, int(v[1]), dtype=torch.long))
 
-    def set_tables(self, cat: np.ndarray, multi: dict) -> None:
-        """Loads the side lookup tables built by ``solaris_jobs.core.model_inputs.side_tables``."""
+    def set_tables(self, cat: np.ndarray, multi: dict, vocab: np.ndarray | None = None) -> None:
+        """Loads the side lookup tables built by ``solaris_jobs.core.model_inputs.side_tables`` (and, for sparse
+        ids, the sorted id vocabulary)."""
+        if self.sparse:
+            self.vocab.copy_(torch.as_tensor(vocab, dtype=torch.long))
         self.cat_table.copy_(torch.as_tensor(cat, dtype=torch.long))
         for c in self.multi_cols:
             getattr(self, f"multi_{c}").copy_(torch.as_tensor(multi[c], dtype=torch.long))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: (...,) int64, any id >= n_ids is unknown (row 0). Returns (..., dim)."""
+        """ids: (...,) int64, any id >= n_ids (or, sparse, not in the vocabulary) is unknown (row 0). Returns
+        (..., dim)."""
+        if self.sparse and len(self.vocab):
+            pos = torch.searchsorted(self.vocab, ids).clamp(max=len(self.vocab) - 1)
+            ids = torch.where(self.vocab[pos] == ids, pos + 1, torch.zeros_like(ids))
         ids = torch.where((ids >= 0) & (ids < self.n_ids), ids, torch.zeros_like(ids))
         out = self.ids(ids)
         if self.cat_cols:

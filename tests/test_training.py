@@ -106,3 +106,45 @@ def test_training_applies_the_event_contract_and_refuses_ambiguous_side_tables(s
     with pytest.raises(ev.DataContractError, match=rf"users\.parquet: column user_id has 2 duplicated values, "
                                                    rf"e\.g\. \[{dup[0]}, {dup[1]}\]"):
         training.load_dataset(str(root), history_len=5)
+
+
+def test_hashed_int64_ids_train_the_same_model_with_one_row_per_id(synth_root, tmp_path):
+    """Sparse or hashed int64 ids (the contract allows any positive int64) get one embedding row per distinct id,
+    not one per possible id (2**40 rows would not fit): mapping every id through an order-keeping hash trains the
+    same model as the dense ids, and the checkpoint maps ids at inference the same way."""
+    import shutil
+
+    import pyarrow.parquet as pq
+    import torch
+
+    from models import batch_to_tensors
+    from solaris_jobs.core import events as ev
+    hashed = tmp_path / "hashed"
+    shutil.copytree(synth_root, hashed)
+    hu = lambda u: u * 2**33 + 5
+    hi = lambda i: i * 2**31 + 3
+    shutil.rmtree(hashed / "events")
+    t = ev.read_events(synth_root).to_pandas()
+    ev.write_events(t.assign(user_id=hu(t.user_id), item_id=hi(t.item_id)), hashed)
+    for name, key, f in (("users", "user_id", hu), ("items", "item_id", hi)):
+        side = pq.read_table(synth_root / f"{name}.parquet").to_pandas()
+        pq.write_table(pa.Table.from_pandas(side.assign(**{key: f(side[key])}), preserve_index=False),
+                       hashed / f"{name}.parquet")
+    cfg = training.TrainConfig(epochs=1, seed=3, history_len=10, device="cpu")
+    dense = training.load_dataset(str(synth_root), history_len=10)
+    sparse = training.load_dataset(str(hashed), history_len=10)
+    assert sparse.user_side["sparse"] and sparse.user_side["n_ids"] == dense.user_side["n_ids"] <= 301
+    a = training.train_fm(dense, tmp_path / "a.pt", cfg, d_model=16, n_layers=1, d_interaction=32)
+    b = training.train_fm(sparse, tmp_path / "b.pt", cfg, d_model=16, n_layers=1, d_interaction=32)
+    assert a["test_bce"] == b["test_bce"] and a["test_auc"] == b["test_auc"]
+    fa, fb = load_checkpoint(tmp_path / "a.pt")[0], load_checkpoint(tmp_path / "b.pt")[0]
+    rows = np.arange(min(len(dense.test), 500))
+    ba, bb = dense.test.batch(rows), sparse.test.batch(rows)
+    assert (bb["user"] == hu(ba["user"])).all() and (bb["item"] == hi(ba["item"])).all()
+    with torch.inference_mode():
+        np.testing.assert_array_equal(fa(batch_to_tensors(ba))["h"].numpy(), fb(batch_to_tensors(bb))["h"].numpy())
+        # An id the model never saw is unknown (row 0), as a dense id past the table is.
+        unseen = dict(bb, user=np.full_like(bb["user"], 2**41 + 1))
+        known0 = dict(ba, user=np.zeros_like(ba["user"]))
+        np.testing.assert_array_equal(fb(batch_to_tensors(unseen))["h"].numpy(),
+                                      fa(batch_to_tensors(known0))["h"].numpy())

@@ -31,13 +31,38 @@ class SideSpec:
     multi: dict = field(default_factory=dict)           # column -> (vocabulary size, max length)
 
 
-def side_tables(side: pd.DataFrame, key: str, n_ids: int) -> tuple[SideSpec, np.ndarray, dict]:
-    """Dense lookups for a side table.
+DENSE_IDS_MAX = 1_000_000
+
+
+def id_vocabulary(*ids: np.ndarray, dense_max: int = DENSE_IDS_MAX) -> np.ndarray | None:
+    """None when the ids can index embedding rows directly (the largest id + 1 is at most ``dense_max`` or 4x the
+    number of distinct ids); else the sorted distinct ids (sparse or hashed int64 ids: the tables get one row per
+    distinct id, row 0 for unknown ids, instead of a row per possible id)."""
+    distinct = np.unique(np.concatenate([np.asarray(x, np.int64) for x in ids]))
+    distinct = distinct[distinct > 0]
+    if not len(distinct) or distinct[-1] + 1 <= max(dense_max, 4 * len(distinct)):
+        return None
+    return distinct
+
+
+def id_rows(ids: np.ndarray, vocab: np.ndarray | None) -> np.ndarray:
+    """Embedding rows of ``ids``: the id itself (dense), or its position in ``vocab`` + 1 (0: not in it)."""
+    ids = np.asarray(ids, np.int64)
+    if vocab is None:
+        return ids
+    pos = np.minimum(np.searchsorted(vocab, ids), len(vocab) - 1)
+    return np.where(vocab[pos] == ids, pos + 1, 0)
+
+
+def side_tables(side: pd.DataFrame, key: str, n_ids: int,
+                vocab: np.ndarray | None = None) -> tuple[SideSpec, np.ndarray, dict]:
+    """Lookups for a side table, one row per embedding row.
 
     Args:
         side: frame with ``key`` and feature columns (ints, or lists of ints).
         key: ``user_id`` or ``item_id``.
         n_ids: id vocabulary size (ids >= n_ids map to row 0, "unknown").
+        vocab: the sorted ids of a sparse vocabulary (``id_vocabulary``; then n_ids = len(vocab) + 1), or None.
 
     Returns:
         (spec, categorical table (n_ids, C) int64, {multi column: (n_ids, max_len) int64 padded with 0}).
@@ -45,8 +70,8 @@ def side_tables(side: pd.DataFrame, key: str, n_ids: int) -> tuple[SideSpec, np.
     cat_cols = [c for c in side.columns if c != key and not isinstance(side[c].iloc[0] if len(side) else 0,
                                                                        (list, np.ndarray))]
     multi_cols = [c for c in side.columns if c != key and c not in cat_cols]
-    ids = side[key].to_numpy()
-    keep = (ids >= 0) & (ids < n_ids)
+    ids = id_rows(side[key].to_numpy(), vocab)
+    keep = (ids > 0) & (ids < n_ids) if vocab is not None else (ids >= 0) & (ids < n_ids)
     ids = ids[keep]
     cat = np.zeros((n_ids, len(cat_cols)), dtype=np.int64)
     vocab = {}

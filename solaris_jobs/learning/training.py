@@ -24,7 +24,7 @@ from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, VMConfig, 
                     load_checkpoint, save_checkpoint)
 from solaris_jobs.core import events as ev
 from solaris_jobs.core.contract import TIERS
-from solaris_jobs.core.model_inputs import EventIndex, Examples, side_tables, time_split
+from solaris_jobs.core.model_inputs import EventIndex, Examples, id_vocabulary, side_tables, time_split
 from solaris_jobs.pipeline.model_refs import check_ae_of_fm, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -99,16 +99,23 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
     users, items = ev.read_side(root, "users"), ev.read_side(root, "items")
     ev.check_unique_ids(users, "user_id", f"{root}/users.parquet")
     ev.check_unique_ids(items, "item_id", f"{root}/items.parquet")
-    n_users = int(max(table.column("user_id").to_numpy().max(), users["user_id"].max() if len(users) else 0)) + 1
-    n_items = int(max(table.column("item_id").to_numpy().max(), items["item_id"].max() if len(items) else 0)) + 1
-    uspec, ucat, umulti = side_tables(users, "user_id", n_users)
-    ispec, icat, imulti = side_tables(items, "item_id", n_items)
-    as_dict = lambda s: {"n_ids": s.n_ids, "categorical": dict(s.categorical),
-                         "multi": {k: list(v) for k, v in s.multi.items()}}
+    # Ids index the embedding tables directly, unless they are sparse or hashed int64 ids (the contract allows any
+    # positive int64): then a vocabulary of the ids seen (one row each) instead of a row per possible id.
+    uvocab = id_vocabulary(table.column("user_id").to_numpy(), users["user_id"].to_numpy())
+    ivocab = id_vocabulary(table.column("item_id").to_numpy(), items["item_id"].to_numpy())
+    n_of = lambda vocab, col, side: (len(vocab) + 1 if vocab is not None else int(max(
+        table.column(col).to_numpy().max(), side[col].max() if len(side) else 0)) + 1)
+    n_users, n_items = n_of(uvocab, "user_id", users), n_of(ivocab, "item_id", items)
+    uspec, ucat, umulti = side_tables(users, "user_id", n_users, uvocab)
+    ispec, icat, imulti = side_tables(items, "item_id", n_items, ivocab)
+    as_dict = lambda s, vocab: {"n_ids": s.n_ids, "categorical": dict(s.categorical),
+                                "multi": {k: list(v) for k, v in s.multi.items()},
+                                **({"sparse": True} if vocab is not None else {})}
     logger.info("loaded %s: %d events (train %d, valid %d, test %d) in %.1fs", root, len(examples), train.sum(),
                 valid.sum(), test.sum(), time.perf_counter() - t0)
     return Dataset(str(root), index, examples.subset(train), examples.subset(valid), examples.subset(test), cuts,
-                   as_dict(uspec), as_dict(ispec), {"user": (ucat, umulti), "item": (icat, imulti)},
+                   as_dict(uspec, uvocab), as_dict(ispec, ivocab),
+                   {"user": (ucat, umulti, uvocab), "item": (icat, imulti, ivocab)},
                    {"events_read": int(len(bad)), "events_set_aside": rejected})
 
 
