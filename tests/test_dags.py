@@ -106,7 +106,7 @@ def _dump_sqlite(path: Path) -> dict:
         return {t: conn.execute(f'SELECT entity_key, feature_name, value, event_ts FROM "{t}" '
                                 f'ORDER BY entity_key, feature_name').fetchall()
                 for (t,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name LIKE 'solaris_%' "
-                                         "AND name != 'solaris_materialized'")}
+                                         "AND name NOT IN ('solaris_materialized', 'solaris_leases')")}
     finally:
         conn.close()
 

@@ -293,9 +293,10 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "m" / "report.json").read_text())
     assert m["seeds"] == [0, 1] and m["complete"] is True and m["config"]["seeds"] == [0, 1]
-    assert [s["seed"] for s in m["summary"]] == [0, 1] and m["summary"][0] == report["summary"][0]
+    a = json.loads((out / "report.json").read_text())
+    assert [s["seed"] for s in m["summary"]] == [0, 1] and m["summary"][0] == a["summary"][0]
     assert [p["seed"] for p in m["targets"]["per_seed"]] == [0, 1]
-    assert m["targets"]["per_seed"][0] == report["targets"]["per_seed"][0]
+    assert m["targets"]["per_seed"][0] == a["targets"]["per_seed"][0]
     assert "curves" in m["per_seed"][0] and [p["seeds"] for p in m["merged_from"]] == [[1], [0]]
     assert "## Targets" in (tmp_path / "m" / "report.md").read_text()
     # Without seed 2 the default three seeds are not all there.

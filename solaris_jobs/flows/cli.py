@@ -547,7 +547,7 @@ def lease_show(end, feature_repo) -> None:
 @_repo_option
 def lease_release(end, owner, feature_repo) -> None:
     """Free an interval that a failed run still holds, so that another run may refresh it now (a lease nobody
-    renews expires by itself after SOLARIS_LEASE_MINUTES)."""
+    renews expires by itself after the lease_minutes setting)."""
     from solaris_jobs.online import lease as ls
     from solaris_jobs.online import store_config
     cfg, t = store_config.load(feature_repo), _utc_arg(end, "--end")
