@@ -134,7 +134,7 @@ class Settings:
         spark_log_level: Spark's log level.
         log_level: SOLARIS's log level in job processes (spark-submit drivers).
         lease_minutes: how long a run's lease of its interval lasts unless a step renews it
-            (``solaris_jobs.online.lease``); longer than any task may run.
+            (``solaris_jobs.online.lease``); as long as a DAG run may last (its 6 h ``dagrun_timeout``).
     """
     data: str = ""
     offline: str = ""
@@ -147,7 +147,7 @@ class Settings:
     spark_driver_memory: str = "4g"
     spark_log_level: str = "WARN"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    lease_minutes: float = Field(180.0, gt=0)
+    lease_minutes: float = Field(360.0, gt=0)
 
     @field_validator("log_level", "spark_log_level", mode="before")
     @classmethod

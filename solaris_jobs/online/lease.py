@@ -6,8 +6,8 @@ other run's half-made outputs. So every step of a run first takes (or renews) th
 (``owner``: an Airflow run id, or one id per ``solaris backfill``); a lease held by another owner that has not
 expired stops the step with ``LeaseHeld``, naming the holder; the last step (materialize) releases it. A lease that
 is not renewed expires after ``ttl_s`` (a crashed run does not block the interval for ever); the default TTL
-(``Settings.lease_minutes``) is longer than any task may run (the DAG's ``execution_timeout``), so a live run never
-loses its lease to another.
+(``Settings.lease_minutes``, 6 h) is as long as a DAG run may last (its ``dagrun_timeout``), so a live run, waiting
+between its steps included, does not lose its lease to another.
 
 The lease lives where both runs meet: Redis (``SET NX PX`` through a script that also renews the owner's own
 lease; a Redis Cluster too: one key) or the SQLite online store's file (one table, changed in ``BEGIN IMMEDIATE``
@@ -47,7 +47,8 @@ class LeaseHeld(RuntimeError):
         self.holder, self.expires_in_s = holder, expires_in_s
         super().__init__(f"interval ending {pd.Timestamp(end).isoformat()} is being refreshed by run {holder!r} "
                          f"(lease in {store}, expires in {expires_in_s:.0f}s unless renewed): wait for it, or rerun "
-                         "this run when that one has finished or failed")
+                         "this run when that one has finished or failed (a failed run's lease: `solaris lease "
+                         "release --end ... --owner ...`)")
 
 
 def acquire(cfg: StoreConfig, end, owner: str, ttl_s: float) -> dict:

@@ -337,7 +337,10 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     new = uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector").toArrow()
     uemb.unpersist()
     new_ids = new.column("user_id").to_numpy()
-    dim = len(new.column("vector")[0]) if len(new_ids) else 0
+    prev = off.read_table(s.offline, "user_embeddings", base[0]) if base is not None else None
+    # The vector width: of this interval's vectors, else (an active interval where nobody changed) the kept ones.
+    widths = [len(t.column("vector")[0]) for t in (new, prev) if t is not None and t.num_rows]
+    dim = widths[0] if widths else 0
     new_vec = _matrix(new.column("vector"), dim, np.float32)
     del new
     ids, vectors, at = new_ids, new_vec, np.full(len(new_ids), T.value // 1000, np.int64)
@@ -347,11 +350,10 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
         index, kind = knn.build_index(vectors, cfg.knn_exact_max, cfg.knn_hnsw_m) if len(ids) else (None, "none")
         index_ids, index_at = ids, T
     else:
-        prev_at, index_at = base
+        _, index_at = base
         now = source.spark(spark, start=read_from(T, cfg.lookback_days), end=T)
         now = pc.prior_events(now, T, cfg.lookback_days).select("user_id").distinct().toArrow().column(0).to_numpy()
         gone = np.concatenate([changed.toArrow().column(0).to_numpy(), new_ids])
-        prev = off.read_table(s.offline, "user_embeddings", prev_at)
         prev_ids = prev.column("user_id").to_numpy()
         keep = np.isin(prev_ids, now) & ~np.isin(prev_ids, gone)
         carried = int(keep.sum())
@@ -391,8 +393,9 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     del vectors
     state = {"model_version": version, "settings": {k: getattr(cfg, k) for k in KNN_STATE_SETTINGS},
              "index_from": index_at.isoformat()}
-    if base is None and index is not None:
-        # The index is published before the state that names it, so a state never points at a missing index.
+    if base is None and index is not None and cfg.knn_requery == "active":
+        # The index is published before the state that names it, so a state never points at a missing index (and
+        # only where an active interval will read it: under `all` nothing does).
         _publish(off.stage_files(s.offline, "knn_index", T, {"index.faiss": knn.serialize(index),
                                                              "ids.npy": _npy(index_ids)}),
                  {"interval_end": T.isoformat(), "index": kind, "users": int(len(index_ids)),
