@@ -1,11 +1,14 @@
 # Two commands do all set-up on a fresh machine (Debian 12, Python 3.11, root or sudo for apt):
 #   make demo   the main job (MovieLens-100K, embedded defaults)
-#   make test   the whole test suite (installs redis-server and Java 17 if missing)
+#   make test   the whole test suite (installs redis-server and Java 17 if missing, and the S3 test server)
 # A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The tests' S3-API server (moto) lives in its own venv: see requirements-s3.txt.
+S3VENV := .venv-s3
+S3STAMP := $(S3VENV)/.installed
 # Spark 4 runs on Java 17; another JDK on PATH (e.g. 25) is not used.
 JAVA17 := $(firstword $(wildcard /usr/lib/jvm/java-17-openjdk-*))
 ifneq ($(JAVA17),)
@@ -27,6 +30,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip check
 	touch $@
 
+$(S3STAMP): requirements-s3.txt
+	test -x $(S3VENV)/bin/python || $(PYTHON) -m venv $(S3VENV)
+	$(S3VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-s3.txt
+	$(S3VENV)/bin/pip check
+	touch $@
+
 sysdeps:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q redis-server; }
 	@ls /usr/lib/jvm/java-17-openjdk-*/bin/java >/dev/null 2>&1 || \
@@ -35,7 +44,7 @@ sysdeps:
 demo: $(STAMP) sysdeps
 	$(BIN)/solaris demo --workdir artifacts/demo
 
-test: $(STAMP) sysdeps
+test: $(STAMP) $(S3STAMP) sysdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...),

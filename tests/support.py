@@ -1,5 +1,5 @@
 """What the tests (and the benchmarks) share: real servers on 127.0.0.1 and a free port picked at run time, stopped
-afterwards (Redis, Redis Cluster, Spark standalone; Spark Connect is ``solaris_jobs.dev.spark_connect``);
+afterwards (Redis, Redis Cluster, Spark standalone, an S3-API server; Spark Connect is ``solaris_jobs.dev.spark_connect``);
 comparing offline outputs row for row (``python -m tests.support A B`` compares two offline stores); tiny models;
 the MovieLens test interval.
 Fixtures live in ``conftest.py``; tests import helpers from here, never from ``conftest``.
@@ -160,6 +160,64 @@ class RedisServer:
                 return False
         _wait_for(up, 20, "redis-server", log)
         return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class S3Server:
+    """An S3-API server on 127.0.0.1 and a free port: moto's server mode, from its own venv (``.venv-s3``, made by
+    ``make test``; see requirements-s3.txt). ``env`` holds the standard AWS settings that point pyarrow (and so
+    every SOLARIS step outside Spark) at it; ``bucket(name)`` creates a bucket."""
+
+    VENV = Path(__file__).resolve().parent.parent / ".venv-s3"
+
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "solaris-test",
+                "AWS_SECRET_ACCESS_KEY": "solaris-test", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def start(self) -> "S3Server":
+        exe = self.VENV / "bin" / "python"
+        if not exe.exists():
+            raise RuntimeError(f"{exe}: no S3 test server (make test makes {self.VENV.name} from requirements-s3.txt)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = self.workdir / "moto.log"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([str(exe), "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), 0.2):
+                    return True
+            except OSError:
+                return False
+        _wait_for(up, 30, "moto S3 server", log)
+        return self
+
+    def bucket(self, name: str) -> str:
+        import pyarrow.fs as pafs
+        pafs.S3FileSystem(endpoint_override=self.endpoint, access_key="solaris-test", secret_key="solaris-test",
+                          region="us-east-1", allow_bucket_creation=True).create_dir(name)
+        return name
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -15,7 +15,7 @@ from solaris_jobs.online import store_config
 from solaris_jobs.online.materialize import materialize, materialized_intervals
 from solaris_jobs.online.misses import ParquetSink, drain_misses
 from solaris_jobs.online.reader import FeatureReader
-from tests.support import ML_END, feast_yaml, RedisServer
+from tests.support import ML_END, ML_START, feast_yaml, RedisServer
 
 REPO = Path(__file__).resolve().parent.parent / "feature_repo"
 HOUR = pd.Timedelta(hours=1)
@@ -412,3 +412,69 @@ def test_interval_lease_one_owner_at_a_time_renewed_released_and_expiring(kind, 
         assert res.exit_code != 0 and "holds no lease" in res.output and "'failed-run'" in res.output
         res = runner.invoke(main, ["lease", "release", "--end", at, "--owner", "failed-run"])
         assert res.exit_code == 0 and lease.holder(cfg, end) is None
+
+
+def test_steps_outside_spark_on_an_s3_offline_store(ml_run, redis_server, tmp_path, monkeypatch):
+    """An ``s3a://`` event log and offline store, on a real S3-API server (moto) on loopback: ``validate``,
+    ``drain_misses``, ``materialize``, ``report`` and ``interval_complete`` read and write the bucket through
+    pyarrow exactly what they do on local folders (same stats, same Redis contents, same report), the drained
+    misses land in the bucket (not in a local folder named ``s3a:``), and a backfill sees the interval as done."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from solaris_jobs.core.settings import Settings
+    from solaris_jobs.flows import refresh_steps as rs
+    from solaris_jobs.online.misses import RedisStreamSink
+    from tests.support import S3Server
+    job, _ = ml_run
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(feast_yaml(
+        tmp_path / "fs.yaml", f'  type: redis\n  connection_string: "{redis_server.url}"')))
+    client = redis.Redis(port=redis_server.port)
+    a, b = ML_END, ML_END + 6 * HOUR                             # the served interval after ML_END: 40 logged rows
+    with S3Server(tmp_path / "s3") as s3:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        s3.bucket("solaris")
+        bucket, local_fs = layout.filesystem("s3a://solaris")[0], pafs.LocalFileSystem()
+        for day in ("date=1998-02-28", "date=1998-03-01"):
+            pafs.copy_files(f"{job.data}/events/{day}", f"solaris/data/events/{day}", local_fs, bucket)
+        local = Settings(data=job.data, offline=str(tmp_path / "offline"), models=job.models,
+                         precompute=job.precompute, expire_from="write")
+        pafs.copy_files(job.offline, str(tmp_path / "offline"), local_fs, local_fs)
+        pafs.copy_files(job.offline, "solaris/offline", local_fs, bucket)
+        remote = Settings(data="s3a://solaris/data", offline="s3a://solaris/offline", models=job.models,
+                          precompute=job.precompute, expire_from="write")
+
+        got = {}
+        for name, s in (("local", local), ("s3", remote)):
+            client.flushall()
+            v = rs.run_step(s, "validate", a, b)
+            assert not rs.interval_complete(s, ML_END)           # complete offline, not yet materialized
+            users = np.array([1, 2, 3], np.int64)
+            RedisStreamSink(store_config.load()).write([(int(u), np.array([10, 20], np.int64), 889_000_000_000)
+                                                        for u in users])
+            d = rs.run_step(s, "drain_misses", a, b)
+            m = rs.run_step(s, "materialize", ML_START, ML_END)
+            assert rs.interval_complete(s, ML_END)
+            r = rs.run_step(s, "report", a, b)
+            fs, misses = layout.filesystem(layout.misses_uri(s.offline))
+            drained = pq.ParquetDataset(misses, filesystem=fs).read().to_pandas().sort_values(["user_id", "item_id"])
+            got[name] = {"validate": v, "drain": d, "dump": _dump(client), "report": r, "drained": drained,
+                         "report_file": layout.read_report(s.offline, b),
+                         "materialize": {k: {c: x for c, x in st.items() if c not in ("seconds", "rows_per_s")}
+                                         for k, st in m["views"].items()}}
+            assert rs.backfill(s, ML_START, ML_END)[0]["status"] == "skipped"
+        assert got["s3"]["validate"] == got["local"]["validate"] and got["s3"]["validate"]["events"] == 40
+        assert got["s3"]["drain"]["pairs"] == 6 == got["local"]["drain"]["pairs"]
+        assert got["s3"]["drained"].user_id.tolist() == [1, 1, 2, 2, 3, 3]
+        assert got["s3"]["materialize"] == got["local"]["materialize"]
+        assert got["s3"]["dump"] == got["local"]["dump"] and len(got["s3"]["dump"]) > 0
+        for k in ("coverage", "coverage_counts", "age_hours", "requests", "events", "latest_materialized_end"):
+            assert got["s3"]["report"][k] == got["local"]["report"][k], k
+        assert got["s3"]["report"]["coverage"]["none"] < 1          # rows served from what the bucket held
+        assert got["s3"]["report_file"]["coverage"] == got["s3"]["report"]["coverage"]
+        listed = [i.path for i in bucket.get_file_info(pafs.FileSelector("solaris/offline", recursive=True))]
+        assert any(p.startswith("solaris/offline/misses/") for p in listed)
+        assert any(p.startswith("solaris/offline/reports/end=") for p in listed)
+    assert not any(p.name.startswith("s3") for p in tmp_path.iterdir() if p.name != "s3")   # nothing local

@@ -55,6 +55,7 @@ def test_spark_reads_only_the_days_of_its_bounds(spark, tmp_path):
     empty = read_events_df(spark, str(tmp_path), "2026-01-03T00:00:00Z", "2026-01-04T00:00:00Z")
     assert empty.columns == ev.EVENT_SCHEMA.names and empty.count() == 0
     assert event_folders("s3a://bucket/events") is None                     # not local: Spark lists it
+    assert ev.events_uri("s3a://bucket/root/") == "s3a://bucket/root/events"  # not Path's s3a:/bucket
     # A file URI (both spellings) lists the same days, keeping the scheme; bounds in another zone are UTC days.
     for uri in (f"file://{base}", f"file:{base}"):
         assert event_folders(uri, "2026-01-02T01:00:00+05:00", "2026-01-02T02:00:00+05:00") == \

@@ -31,6 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,15 @@ class DataContractError(ValueError):
 
 
 def events_dir(root: str | os.PathLike) -> Path:
+    """The local event log's folder (what ``write_events`` writes)."""
     return Path(root) / "events"
+
+
+def events_uri(root: str | os.PathLike) -> str:
+    """The event log's folder as a URI the readers take (a path, ``file://``, ``s3a://``...): ``Path`` would fold
+    ``s3a://bucket`` into ``s3a:/bucket``."""
+    from solaris_jobs.core.offline import join
+    return join(root, "events")
 
 
 def to_utc(ts: str | dt.datetime | pd.Timestamp) -> pd.Timestamp:
@@ -164,11 +173,13 @@ def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str
     Raises:
         DataContractError: there is no event log under ``root``.
     """
-    base = events_dir(root)
-    if not base.is_dir():
+    from solaris_jobs.core.offline import filesystem
+    base = events_uri(root)
+    fs, path = filesystem(base)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
         raise DataContractError(f"{root}: no event log (expected {base}/date=YYYY-MM-DD/hour=HH/*.parquet)")
     full = pa.schema(list(EVENT_SCHEMA) + list(PARTITION_SCHEMA))
-    dataset = ds.dataset(base, format="parquet", schema=full,
+    dataset = ds.dataset(path, filesystem=fs, format="parquet", schema=full,
                          partitioning=ds.partitioning(PARTITION_SCHEMA, flavor="hive"))
     flt = None
     if start is not None:

@@ -126,7 +126,7 @@ def read_events_df(spark, root: str, start=None, end=None):
     from pyspark.sql import functions as F
 
     from solaris_jobs.core import events as ev
-    base = str(ev.events_dir(root))
+    base = ev.events_uri(root)
     folders = event_folders(base, start, end)
     if folders is not None and not folders:
         return spark.createDataFrame(ev.EVENT_SCHEMA.empty_table()).select(*ev.EVENT_SCHEMA.names)
