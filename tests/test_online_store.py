@@ -1,6 +1,8 @@
 """Feature store and serving against real stores: a real redis-server on a free port and SQLite, the real Feast SDK
 reading what we wrote, the MovieLens refresh outputs of ``ml_run`` as data."""
 import importlib.util
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -478,3 +480,56 @@ def test_steps_outside_spark_on_an_s3_offline_store(ml_run, redis_server, tmp_pa
         assert any(p.startswith("solaris/offline/misses/") for p in listed)
         assert any(p.startswith("solaris/offline/reports/end=") for p in listed)
     assert not any(p.name.startswith("s3") for p in tmp_path.iterdir() if p.name != "s3")   # nothing local
+
+
+@pytest.mark.parametrize("fault", ["connection dropped", "server killed", "server hung"])
+def test_redis_failing_mid_materialization_fails_the_task_and_a_retry_completes(fault, ml_run, redis_server,
+                                                                                 tmp_path, monkeypatch):
+    """Redis fails between two writes of one interval (after the pair view's batch went out): the task fails
+    with a ``MaterializeError`` naming the view, the interval is not recorded as materialized (though some keys
+    were written), and a retry once Redis is back leaves exactly what an uninterrupted run leaves."""
+    from solaris_jobs.online.materialize import MaterializeError
+    from solaris_jobs.online.writer import RedisWriter
+    job, _ = ml_run
+    cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: '
+                                                             f'"{redis_server.url}"'))
+    admin = redis.Redis(port=redis_server.port)
+    admin.flushall()
+    materialize(cfg, job.offline, ML_END, expire_from="write")
+    clean = _dump(admin)
+    admin.flushall()
+
+    sends, real_send = [], RedisWriter._send
+
+    def send_then_fail(self, payload, kind, n):
+        sends.append(n)
+        if len(sends) == 2:                                  # the pair view's rows are out: the store fails now
+            if fault == "connection dropped":
+                admin.client_kill_filter(_type="normal", skipme=True)
+            elif fault == "server killed":
+                os.kill(redis_server.proc.pid, signal.SIGKILL)
+                redis_server.proc.wait(10)
+            else:
+                admin.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+        return real_send(self, payload, kind, n)
+
+    monkeypatch.setattr(RedisWriter, "_send", send_then_fail)
+    t0 = time.monotonic()
+    with pytest.raises(MaterializeError, match=r"failed in view \w+ after \d+ of its rows") as failed:
+        materialize(cfg, job.offline, ML_END, expire_from="write", timeout_s=1.0)
+    waited = time.monotonic() - t0
+    monkeypatch.setattr(RedisWriter, "_send", real_send)
+    if fault == "server killed":
+        redis_server.proc = None
+        redis_server.start()                               # same port, empty (no persistence)
+    elif fault == "server hung":
+        # Given up on after the 1 s timeout, not waited out: a 3 s pause outlasted by the task would have let it
+        # finish without an error.
+        assert isinstance(failed.value.__cause__, TimeoutError), failed.value.__cause__
+        time.sleep(max(0.0, 3.2 - waited))                 # the pause ends
+    assert ML_END not in materialized_intervals(cfg)
+    if fault == "connection dropped":
+        assert 0 < len(_dump(admin)) < len(clean)            # a part was written, and not marked as done
+    materialize(cfg, job.offline, ML_END, expire_from="write")
+    assert ML_END in materialized_intervals(cfg)
+    assert _dump(redis.Redis(port=redis_server.port)) == clean

@@ -114,8 +114,14 @@ def _constant_version(enc: Encoded, view: View, idx: np.ndarray, version: str) -
     return part
 
 
+class MaterializeError(RuntimeError):
+    """The online store failed part-way through an interval (dropped, killed, hung past the timeout, refused a
+    write): the interval is not recorded as materialized, and a rerun writes it whole."""
+
+
 def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_from: str = "event",
-                now=None, batch_rows: int = 50_000, env=None, always_check: bool = False, start=None) -> dict:
+                now=None, batch_rows: int = 50_000, env=None, always_check: bool = False, start=None,
+                timeout_s: float = 60.0) -> dict:
     """Writes the interval ending at ``end`` into the online store.
 
     Args:
@@ -125,13 +131,16 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
         now: the clock for ``expire_from`` (default: the wall clock).
         always_check: compare every key's stored event time even when no later interval was materialized
             (when something else also writes these views).
+        timeout_s: how long one Redis reply may take before the write is given up.
 
     Returns:
         Stats per view: rows read, written, skipped (a newer row is stored), expired, rejected by reason, seconds.
 
     Raises:
         FileNotFoundError: the interval has no complete output for a view.
-        redis.RedisError / sqlite3.Error: the store failed part-way (the interval is not marked materialized).
+        redis.RedisError: Redis could not be reached when the write started.
+        MaterializeError: the store failed part-way (the message names the view and the rows read so far); the
+            interval is not marked materialized, and a rerun writes it whole.
     """
     if expire_from not in ("event", "write"):
         raise ValueError(f"expire_from must be 'event' or 'write', not {expire_from!r}")
@@ -144,7 +153,7 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
     now = _utc(pd.Timestamp.now(tz="UTC") if now is None else now)
     created = int(now.timestamp())          # Feast's SQLite store keeps times as epoch seconds
     if cfg.kind == "redis":
-        client = redis_client(cfg, timeout_s=60)
+        client = redis_client(cfg, timeout_s=timeout_s)
         writer = ClusterWriter(client, cfg) if cfg.redis_type == "redis_cluster" else RedisWriter(client)
         suffix = cfg.project.encode()               # Feast's Redis keys end with the project
     else:
@@ -159,6 +168,7 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
            "checked_newer": check_newer, "store": cfg.describe(),
            "expire_from": expire_from, "views": {}}
     t_all = time.perf_counter()
+    name, st = None, Counter()
     try:
         for name in names:
             view = all_views[name]
@@ -194,11 +204,26 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
                 logger.warning("%s %s: %d rows set aside: %s", name, end, count, reason)
         out["seconds"] = round(time.perf_counter() - t_all, 3)
         _mark(cfg, client, writer, end, out)
+    except _store_errors() as e:
+        raise MaterializeError(
+            f"materializing the interval ending {end.isoformat()} into {cfg.describe()} failed in view {name} after "
+            f"{int(st['rows'])} of its rows ({type(e).__name__}: {e}); the interval is not recorded as materialized: "
+            f"rerun the materialize step once the store is back") from e
     finally:
         writer.close()
     logger.info("materialized %s into %s: %s", end, cfg.describe(),
                 {k: (v["written"], v["rows"]) for k, v in out["views"].items()})
     return out
+
+
+def _store_errors() -> tuple:
+    """What a store failing under a write raises: socket errors (a dropped, killed or hung Redis), redis-py's
+    errors, a refused write (``RuntimeError`` from the writers), SQLite's errors; not the offline reads' errors
+    (a missing output stays a ``FileNotFoundError``)."""
+    import sqlite3
+
+    import redis
+    return ConnectionError, TimeoutError, redis.RedisError, sqlite3.Error, RuntimeError
 
 
 def _mark(cfg: StoreConfig, client, writer, end: pd.Timestamp, stats: dict) -> None:
