@@ -68,6 +68,10 @@ def test_validate_step_counts_bad_rows_and_stops_a_broken_interval(tmp_path):
     assert o.validate(s, "2026-01-01T01:00", "2026-01-01T02:00", events=frame) == out
     with pytest.raises(ev.DataContractError, match=r"4 of 20 rows .*user_id is null or <= 0: 3.*MAX_BAD_SHARE=0.1"):
         o.validate(replace(s, max_bad_share=0.1), "2026-01-01T01:00", "2026-01-01T02:00")
+    # An interval of the far future (a wrong clock, bounds of another year): refused, not run on an empty log.
+    with pytest.raises(ev.DataContractError, match=r"interval \[2026-01-01T01:00:00\+00:00, .* starts more than a "
+                                                   r"day after now \(2025-12-30T00:00:00\+00:00\)"):
+        o.validate(s, "2026-01-01T01:00", "2026-01-01T02:00", clock=lambda: pd.Timestamp("2025-12-30", tz="UTC"))
     with pytest.raises(ValueError, match=r"SOLARIS_MAX_BAD_SHARE \(max_bad_share\): .*less than or equal to 1 "
                                          r"\(got '2'\)"):
         Settings.from_env({"SOLARIS_DATA": "x", "SOLARIS_OFFLINE": "x", "SOLARIS_MODELS": "x",

@@ -54,6 +54,22 @@ def test_malformed_rows_are_set_aside_with_reasons(tmp_path):
     items = ev.read_side(tmp_path / "out", "items")
     assert items["release_decade"].tolist() == [10, 10]     # 1990s
 
+    # A side table with an id twice: the first row is kept, the later one set aside and counted (it used to
+    # give the id two rows, and the side table's lookup kept whichever came last).
+    with open(src / "u.user", "a") as f:
+        f.write("2|30|M|writer|10001\n")
+    with open(src / "u.item", "ab") as f:
+        f.write(f"10|Again (1980)|01-Jan-1980||http://z|{'|'.join(['0'] * 19)}\n".encode("latin-1"))
+    m = movielens.build(tmp_path / "out2", source=src)
+    assert m["rejected"] == 6 and m["users"] == 2 and m["items"] == 2
+    assert m["rejected_by_reason"]["duplicate user_id"] == m["rejected_by_reason"]["duplicate item_id"] == 1
+    rejects = pq.read_table(tmp_path / "out2" / "rejects" / "movielens.parquet").to_pandas().set_index("source")
+    assert rejects.loc[str(src / "u.user"), "reason"] == "duplicate user_id has value '2' (line 2 has it and is kept)"
+    assert rejects.loc[str(src / "u.item"), "line"] == 3
+    users = ev.read_side(tmp_path / "out2", "users")
+    assert users.set_index("user_id").loc[2, "gender"] == 2           # the first row's F, not the later M
+    assert ev.read_side(tmp_path / "out2", "items").set_index("item_id").loc[10, "release_decade"] == 10
+
 
 def test_wrong_file_names_file_and_column(tmp_path):
     src = _grouplens(tmp_path / "gl", ["1,10,5,881250949", "2,11,3,881250950"])     # commas, not tabs

@@ -178,6 +178,15 @@ def _numeric(frame: pd.DataFrame, col: str, rejects: _Rejects, source: str, lo=N
     return rejects.add(frame, bad, source, reason)
 
 
+def _unique_ids(frame: pd.DataFrame, col: str, rejects: _Rejects, source: str) -> pd.DataFrame:
+    """A side table holds one row per id: later rows with an id already seen are set aside, the first is kept
+    (the manifest counts them as ``duplicate <col>``)."""
+    ids = frame[col].astype("int64")
+    first = frame.groupby(ids)["_line"].transform("min").astype("int64").astype(str)
+    reason = f"duplicate {col} has value '" + ids.astype(str) + "' (line " + first + " has it and is kept)"
+    return rejects.add(frame, ids.duplicated(keep="first").to_numpy(), source, reason)
+
+
 def to_contract(raw: RawTables) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Validates and converts raw MovieLens tables.
 
@@ -212,6 +221,7 @@ def to_contract(raw: RawTables) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
     users = rejects.add(users, ~users["_width_ok"].to_numpy(), src, "wrong number of columns")
     users = _numeric(users, "user_id", rejects, src, lo=1)
     users = _numeric(users, "age", rejects, src, lo=0, hi=120)
+    users = _unique_ids(users, "user_id", rejects, src)
     age_edges = np.array([18, 25, 35, 45, 50, 56])
     occ = {o: k + 1 for k, o in enumerate(OCCUPATIONS)}
     zip_first = users["zip_code"].astype(str).str[:1]
@@ -228,6 +238,7 @@ def to_contract(raw: RawTables) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFram
     _require(items, src, ["item_id", "genres"])
     items = rejects.add(items, ~items["_width_ok"].to_numpy(), src, "wrong number of columns")
     items = _numeric(items, "item_id", rejects, src, lo=1)
+    items = _unique_ids(items, "item_id", rejects, src)
     gcode = {g: k + 1 for k, g in enumerate(GENRES)}
     year = pd.to_numeric(items.get("release_year"), errors="coerce")
     item_side = pd.DataFrame({

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 
+import pandas as pd
 
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import Settings
@@ -37,11 +38,18 @@ def validate(s: Settings, start, end, *, events=None, clock=None) -> dict:
 
     Rows that read but break the contract (ids <= 0, labels other than 0/1) are counted per reason; selection
     sets them aside into ``rejects``. More than ``max_bad_share`` of the interval's rows bad fails the task: an
-    upstream log that broke is stopped here, before hours of FM inference run on what is left of it.
+    upstream log that broke is stopped here, before hours of FM inference run on what is left of it. So does an
+    interval that starts more than a day after the clock's now.
     """
     from solaris_jobs.core.events import DataContractError, bad_event_counts
     from solaris_jobs.core.settings import env_var
     start, end = interval(start, end)
+    now = (clock or wall_clock)()
+    if start > now + pd.Timedelta(days=1):
+        # Its events have not happened: a wrong clock, or --start/--end of another year; rows time-stamped that far
+        # ahead in a log are set aside by training (events.FUTURE_REASON) and never read by an earlier interval.
+        raise DataContractError(f"the interval [{start.isoformat()}, {end.isoformat()}) starts more than a day "
+                                f"after now ({now.isoformat()}): check the clock and the interval bounds")
     source = event_source(events, s.data)
     t = source.table(start, end)
     n = t.num_rows
