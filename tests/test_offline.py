@@ -105,3 +105,51 @@ def test_layout_reads_earlier_outputs_and_file_uris(tmp_path):
     assert off.read_report(tmp_path, END) == {"coverage": {"pair": 0.5}}
     with pytest.raises(ValueError, match="nosuchfs://x/neighbours/.*: cannot open this file system outside Spark"):
         off.read_stats("nosuchfs://x", "neighbours", END)
+
+
+def test_a_full_disk_fails_the_write_and_keeps_the_old_output(tmp_path, spark):
+    """An offline store on a 1 MiB file system (a real tmpfs, mounted for the test): an output too big for it
+    fails with the file system's ENOSPC, from the writers outside Spark and from Spark alike; readers still get
+    the old output whole, the failed write leaves no half-written folder or file (outside Spark the space is given
+    back at once; Spark's failed task may hold its deleted files open a while), and the next write that fits
+    publishes."""
+    import errno
+
+    import numpy as np
+    import pyarrow.fs as pafs
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    assert done.returncode == 0, f"mounting a tmpfs for the disk-full test needs root: {done.stderr}"
+    offline = str(mnt / "offline")
+
+    def leftovers():
+        fs = pafs.LocalFileSystem()
+        return [i.path for i in fs.get_file_info(pafs.FileSelector(offline, recursive=True))
+                if i.type == pafs.FileType.File and ("/_staging/" in i.path or i.path.endswith(".tmp"))]
+    try:
+        old = pd.DataFrame({"user_id": [1, 2, 3], "v": [1.0, 2.0, 3.0]})
+        off.write_interval(old, offline, "user_aggregates", END)
+        off.write_report(offline, END, {"coverage": {"pair": 0.5}})
+        used_before = shutil.disk_usage(mnt).used
+        rng = np.random.default_rng(0)
+        big = pd.DataFrame({"user_id": np.arange(400_000), "v": rng.random(400_000)})    # 6 MB of random floats
+        with pytest.raises(OSError) as full:
+            off.write_interval(big, offline, "user_aggregates", END)
+        assert full.value.errno == errno.ENOSPC, full.value
+        with pytest.raises(OSError) as full:
+            off.write_report(offline, END, {"coverage": {"pair": 0.9}, "pad": "x" * 2_000_000})
+        assert full.value.errno == errno.ENOSPC, full.value
+        pd.testing.assert_frame_equal(off.read_table(offline, "user_aggregates", END).to_pandas(), old)
+        assert off.read_report(offline, END) == {"coverage": {"pair": 0.5}}
+        assert leftovers() == [] and shutil.disk_usage(mnt).used == used_before        # the space is given back
+        new = old.assign(v=old.v * 10)
+        off.write_interval(new, offline, "user_aggregates", END)
+        pd.testing.assert_frame_equal(off.read_table(offline, "user_aggregates", END).to_pandas(), new)
+
+        with pytest.raises(Exception, match=r"TASK_WRITE_FAILED|No space left"):
+            off.write_interval(spark.createDataFrame(big), offline, "user_aggregates", END)
+        pd.testing.assert_frame_equal(off.read_table(offline, "user_aggregates", END).to_pandas(), new)
+        assert leftovers() == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

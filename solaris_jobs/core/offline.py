@@ -124,8 +124,22 @@ def _write_then_move(uri, write) -> None:
     parent, name = path.rsplit("/", 1)
     fs.create_dir(parent, recursive=True)
     tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
-    write(fs, tmp)
-    fs.move(tmp, path)
+    try:
+        write(fs, tmp)
+        fs.move(tmp, path)
+    except BaseException:
+        _remove(fs, tmp, is_dir=False)                   # a full disk must not stay full of our half file
+        raise
+
+
+def _remove(fs: pafs.FileSystem, path: str, is_dir: bool) -> None:
+    """Removes a file or folder of our own, if it is there (after a failed write; errors are logged, the write's
+    error is the one raised)."""
+    try:
+        if _exists(fs, path):
+            fs.delete_dir(path) if is_dir else fs.delete_file(path)
+    except OSError as e:
+        logger.warning("could not remove %s after a failed write: %s", path, e)
 
 
 def write_bytes(uri, data: bytes) -> None:
@@ -238,21 +252,27 @@ class Staged:
         if not _exists(fs, f"{staged}/_SUCCESS"):
             raise PublishError(f"{self.path}: the staged {self.dataset} output is gone or incomplete (removed by "
                                f"another writer of this interval?); nothing published, the earlier output stays")
-        if stats is not None:
-            write_json(join(self.path, "_stats.json"), stats)
         folder = interval_uri(self.offline, self.dataset, self.end)
         final = join(folder, RUN + self.run)
         _, fpath = filesystem(folder)
-        if self.path != final:
-            fs.create_dir(fpath, recursive=True)
-            fs.move(staged, filesystem(final)[1])
-        _before_publish(final)
-        earlier = _pointers(fs, fpath)
-        seq = earlier[-1][0] + 1 if earlier else 1
-        # A new name every time: a rename onto a name that does not exist yet is atomic on every file system
-        # (replacing a file is not, on HDFS through pyarrow).
-        write_json(join(folder, f"{POINTER}.{seq:010d}.{self.run}"), {"run": self.run, "published_at": pd.Timestamp(
-            published_at if published_at is not None else pd.Timestamp.now(tz="UTC")).isoformat()})
+        where = staged
+        try:
+            if stats is not None:
+                write_json(join(self.path, "_stats.json"), stats)
+            if self.path != final:
+                fs.create_dir(fpath, recursive=True)
+                fs.move(staged, filesystem(final)[1])
+                where = filesystem(final)[1]
+            _before_publish(final)
+            earlier = _pointers(fs, fpath)
+            seq = earlier[-1][0] + 1 if earlier else 1
+            # A new name every time: a rename onto a name that does not exist yet is atomic on every file system
+            # (replacing a file is not, on HDFS through pyarrow).
+            write_json(join(folder, f"{POINTER}.{seq:010d}.{self.run}"), {"run": self.run, "published_at": pd.Timestamp(
+                published_at if published_at is not None else pd.Timestamp.now(tz="UTC")).isoformat()})
+        except Exception:
+            _remove(fs, where, is_dir=True)     # not published (a full disk, a lost store): the old output stays
+            raise
         _clean(fs, fpath, self.run, {run for _, run, _ in earlier},
                filesystem(join(dataset_uri(self.offline, self.dataset), STAGING))[1], interval_key(self.end))
         logger.info("published %s", final)
@@ -309,8 +329,26 @@ def _new_run(offline, dataset: str, end) -> Staged:
 def stage(df, offline, dataset: str, end) -> Staged:
     """Writes a Spark DataFrame as a new, unpublished output of the interval ending at ``end``."""
     staged = _new_run(offline, dataset, end)
-    df.write.mode("overwrite").parquet(staged.path)
+    with _removed_on_failure(staged):
+        df.write.mode("overwrite").parquet(staged.path)
     return staged
+
+
+class _removed_on_failure:
+    """A staged folder that its write failed to finish (a full disk, a killed task) is removed at once: it is
+    this writer's own (a fresh name), and left behind it would keep the disk full until ``ORPHAN_AGE``."""
+
+    def __init__(self, staged: Staged):
+        self.staged = staged
+
+    def __enter__(self):
+        return self.staged
+
+    def __exit__(self, kind, *_):
+        if kind is not None:
+            fs, path = filesystem(self.staged.path)
+            _remove(fs, path, is_dir=True)
+        return False
 
 
 def stage_table(table: pa.Table, offline, dataset: str, end) -> Staged:
@@ -320,11 +358,12 @@ def stage_table(table: pa.Table, offline, dataset: str, end) -> Staged:
         table = pa.Table.from_pandas(table, preserve_index=False)
     staged = _new_run(offline, dataset, end)
     fs, path = filesystem(staged.path)
-    fs.create_dir(path, recursive=True)
-    pq.write_table(table, f"{path}/part-00000.parquet", filesystem=fs, coerce_timestamps="us",
-                   allow_truncated_timestamps=True)
-    with fs.open_output_stream(f"{path}/_SUCCESS"):
-        pass
+    with _removed_on_failure(staged):
+        fs.create_dir(path, recursive=True)
+        pq.write_table(table, f"{path}/part-00000.parquet", filesystem=fs, coerce_timestamps="us",
+                       allow_truncated_timestamps=True)
+        with fs.open_output_stream(f"{path}/_SUCCESS"):
+            pass
     return staged
 
 
@@ -332,12 +371,13 @@ def stage_files(offline, dataset: str, end, files: dict) -> Staged:
     """``stage`` for named binary files (e.g. a serialized index): ``files`` maps a name to bytes or a buffer."""
     staged = _new_run(offline, dataset, end)
     fs, path = filesystem(staged.path)
-    fs.create_dir(path, recursive=True)
-    for name, data in files.items():
-        with fs.open_output_stream(f"{path}/{name}") as f:
-            f.write(data)
-    with fs.open_output_stream(f"{path}/_SUCCESS"):
-        pass
+    with _removed_on_failure(staged):
+        fs.create_dir(path, recursive=True)
+        for name, data in files.items():
+            with fs.open_output_stream(f"{path}/{name}") as f:
+                f.write(data)
+        with fs.open_output_stream(f"{path}/_SUCCESS"):
+            pass
     return staged
 
 
