@@ -128,17 +128,40 @@ class SparkStandalone:
 
 
 class RedisServer:
-    """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test."""
+    """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test.
+    With ``tls_dir`` it speaks only TLS (a self-signed certificate for 127.0.0.1 made there, ``tls_dir/cert.pem``);
+    with ``password`` it requires AUTH. ``connection_string`` is what a feature_store.yaml names it by."""
 
-    def __init__(self, workdir: Path, port: int | None = None, extra: tuple = ()):
+    def __init__(self, workdir: Path, port: int | None = None, extra: tuple = (), tls_dir: Path | None = None,
+                 password: str | None = None):
         self.workdir = Path(workdir)
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
         self.extra = list(extra)
+        self.tls_dir, self.password = (Path(tls_dir) if tls_dir else None), password
 
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def connection_string(self) -> str:
+        out = self.url
+        if self.password:
+            out += f",password={self.password}"
+        if self.tls_dir:
+            out += f",ssl=true,ssl_ca_certs={self.tls_dir / 'cert.pem'}"
+        return out
+
+    def _args(self) -> list[str]:
+        if self.tls_dir is None:
+            args = ["--port", str(self.port)]
+        else:
+            self_signed_cert(self.tls_dir)
+            args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls_dir / "cert.pem"),
+                    "--tls-key-file", str(self.tls_dir / "key.pem"), "--tls-ca-cert-file",
+                    str(self.tls_dir / "cert.pem"), "--tls-auth-clients", "no"]
+        return args + (["--requirepass", self.password] if self.password else [])
 
     def start(self) -> "RedisServer":
         exe = shutil.which("redis-server")
@@ -146,7 +169,7 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (make sysdeps, or apt-get install redis-server)")
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = self.workdir / "redis.log"
-        self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+        self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", *self._args(), "--save", "",
                                       "--appendonly", "no", *self.extra, "--dir", str(self.workdir),
                                       "--logfile", str(log)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
@@ -154,6 +177,8 @@ class RedisServer:
         def up():
             try:
                 with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                    if self.tls_dir or self.password:
+                        return True                           # it listens; the test's own client says the rest
                     s.sendall(b"PING\r\n")
                     return s.recv(16).startswith(b"+PONG")
             except OSError:
@@ -171,6 +196,35 @@ class RedisServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def self_signed_cert(folder: Path) -> None:
+    """``cert.pem`` and ``key.pem`` in ``folder``: a one-day self-signed certificate for 127.0.0.1 (made with
+    ``cryptography``, already a dependency)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    folder = Path(folder)
+    if (folder / "cert.pem").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                       serialization.PrivateFormat.TraditionalOpenSSL,
+                                                       serialization.NoEncryption()))
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
 class S3Server:

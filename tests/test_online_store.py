@@ -533,3 +533,57 @@ def test_redis_failing_mid_materialization_fails_the_task_and_a_retry_completes(
     materialize(cfg, job.offline, ML_END, expire_from="write")
     assert ML_END in materialized_intervals(cfg)
     assert _dump(redis.Redis(port=redis_server.port)) == clean
+
+
+def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch):
+    """A Redis that speaks only TLS and requires AUTH, named as Feast names it (``host:port,password=...,ssl=true,
+    ssl_ca_certs=...``): materialization, the stock Feast SDK, the serving reader (its raw pipelined socket is the
+    TLS one), the miss stream and its drain, and the interval lease all work through it; a wrong password or a
+    plain-text client is a clear error, and the serving reader fails open instead."""
+    from solaris_jobs.online import lease
+    from solaris_jobs.online.misses import drain_misses as drain
+    job, _ = ml_run
+    off = _offline(job)
+    pairs, agg = off["pair_embeddings"], off["user_aggregates"].set_index("user_id")
+    version, dim = pairs.model_version.iloc[0], len(pairs.embedding.iloc[0])
+    with RedisServer(tmp_path / "redis", tls_dir=tmp_path / "tls", password="s3cret-pw") as server:
+        yaml = feast_yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: "{server.connection_string}"')
+        cfg = store_config.load(REPO, yaml)
+        assert cfg.describe().endswith("(tls)")
+        st = materialize(cfg, job.offline, ML_END, expire_from="write")
+        assert all(st["views"][n]["written"] == len(df) > 0 for n, df in off.items())
+        assert ML_END in materialized_intervals(cfg)
+
+        fs = _feast(yaml, job.offline, monkeypatch)
+        some = pairs.sample(20, random_state=1)
+        res = fs.get_online_features(features=["pair_embeddings:embedding"], entity_rows=[
+            {"user_id": int(u), "item_id": int(i)} for u, i in zip(some.user_id, some.item_id)]).to_dict()
+        np.testing.assert_array_equal(np.asarray(res["embedding"], np.float32), np.stack(some.embedding))
+
+        user = int(pairs.user_id.value_counts().index[0])
+        mine = pairs[pairs.user_id == user]
+        unknown = np.arange(10**6, 10**6 + 5)
+        reader = FeatureReader(cfg, version, dim, budget_ms=1000)          # misses to the Redis stream
+        f = reader.read(user, np.concatenate([mine.item_id.to_numpy(), unknown]), ML_END + HOUR)
+        assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"] * len(unknown)
+        np.testing.assert_array_equal(f.embeddings[:len(mine)], np.stack(mine.embedding))
+        np.testing.assert_array_equal(f.embeddings[len(mine):], np.repeat(agg.loc[user].embedding[None], 5, 0))
+        reader.close()
+        assert drain(cfg, str(tmp_path / "offline"))["pairs"] == len(unknown)
+
+        lease.acquire(cfg, ML_END, "run-a", 60)
+        with pytest.raises(lease.LeaseHeld, match="run-a"):
+            lease.acquire(cfg, ML_END, "run-b", 60)
+
+        wrong = store_config.load(REPO, feast_yaml(tmp_path / "bad.yaml", "  type: redis\n  connection_string: "
+                                                   f'"{server.connection_string.replace("s3cret-pw", "nope")}"'))
+        with pytest.raises(redis.AuthenticationError):
+            materialize(wrong, job.offline, ML_END, expire_from="write")
+        plain = store_config.load(REPO, feast_yaml(tmp_path / "plain.yaml", "  type: redis\n  connection_string: "
+                                                   f'"{server.url},password=s3cret-pw"'))
+        with pytest.raises(redis.ConnectionError):
+            materialize(plain, job.offline, ML_END, expire_from="write", timeout_s=2)
+        down = FeatureReader(wrong, version, dim, budget_ms=200, misses=None)
+        g = down.read(user, mine.item_id.to_numpy(), ML_END + HOUR)
+        assert g.failed_open and set(g.tier_names()) == {"none"}
+        down.close()
