@@ -587,3 +587,32 @@ def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch)
         g = down.read(user, mine.item_id.to_numpy(), ML_END + HOUR)
         assert g.failed_open and set(g.tier_names()) == {"none"}
         down.close()
+
+
+def test_one_reader_shared_by_threads_serves_what_it_serves_alone(ml_run, store):
+    """A ranker's worker threads sharing one ``FeatureReader``: each thread reads on its own connection, so
+    every result equals the single-threaded one and the counters add up exactly (a shared raw socket would
+    interleave the threads' replies)."""
+    from concurrent.futures import ThreadPoolExecutor
+    pairs = _offline(ml_run[0])["pair_embeddings"]
+    version, dim = pairs.model_version.iloc[0], len(pairs.embedding.iloc[0])
+    users = pairs.user_id.value_counts().index[:16].to_numpy()
+    extra = np.arange(10**6, 10**6 + 30)
+    requests = [(int(u), np.concatenate([pairs.item_id[pairs.user_id == u].to_numpy(), extra])) for u in users]
+    alone = FeatureReader(store, version, dim, budget_ms=2000, misses=None)
+    want = [alone.read(u, items, ML_END + HOUR) for u, items in requests]
+    alone.close()
+    shared = FeatureReader(store, version, dim, budget_ms=2000, misses=None)
+    rounds = 25
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda k: (k % len(requests), shared.read(*requests[k % len(requests)], ML_END + HOUR)),
+                            range(rounds * len(requests))))
+    for k, f in got:
+        assert not f.failed_open
+        np.testing.assert_array_equal(f.tiers, want[k].tiers)
+        np.testing.assert_array_equal(f.embeddings, want[k].embeddings)
+    c = shared.metrics.counts
+    assert c["requests"] == len(got) and c["rows"] == rounds * sum(len(i) for _, i in requests)
+    assert c["tier_pair"] == rounds * sum(int((w.tiers == 0).sum()) for w in want)
+    assert len(shared._states) > 1                        # the threads had connections of their own
+    shared.close()

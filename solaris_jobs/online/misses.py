@@ -77,7 +77,7 @@ class MissQueue:
     """Bounded, non-blocking: ``put`` never waits; a background thread hands batches to the sink."""
 
     def __init__(self, sink, metrics, maxsize: int = 10_000, flush_s: float = 0.5):
-        # metrics: anything with a ``counts`` Counter (the reader's ``ServingMetrics``).
+        # metrics: the reader's ``ServingMetrics`` (anything with ``add(counts)``).
         self.sink, self.metrics, self.flush_s = sink, metrics, flush_s
         self.q: queue.Queue = queue.Queue(maxsize)
         self._stop = threading.Event()
@@ -88,9 +88,9 @@ class MissQueue:
     def put(self, user: int, items: np.ndarray, at_ms: int) -> None:
         try:
             self.q.put_nowait((user, items, at_ms))
-            self.metrics.counts["misses_queued"] += len(items)
+            self.metrics.add({"misses_queued": len(items)})
         except queue.Full:
-            self.metrics.counts["misses_dropped_queue_full"] += len(items)
+            self.metrics.add({"misses_dropped_queue_full": len(items)})
 
     def _drain(self) -> None:
         # One drain at a time: flush() returns only when everything queued before it is written (no write of the
@@ -106,9 +106,9 @@ class MissQueue:
                 return
             try:
                 self.sink.write(batch)
-                self.metrics.counts["misses_recorded"] += sum(len(b[1]) for b in batch)
+                self.metrics.add({"misses_recorded": sum(len(b[1]) for b in batch)})
             except Exception as e:          # the queue must never take the server down: count and go on
-                self.metrics.counts["misses_dropped_sink_error"] += sum(len(b[1]) for b in batch)
+                self.metrics.add({"misses_dropped_sink_error": sum(len(b[1]) for b in batch)})
                 logger.warning("miss queue: could not record %d requests: %s", len(batch), e)
 
     def _run(self) -> None:

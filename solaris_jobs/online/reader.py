@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -57,6 +58,14 @@ class ServingMetrics:
     """Counters and recent latencies a platform team can scrape (``prometheus()``)."""
     counts: Counter = field(default_factory=Counter)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=10_000))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, counts, latency_ms: float | None = None) -> None:
+        """Adds counts (a mapping) and a latency, atomically (the reader's threads, the miss queue's thread)."""
+        with self.lock:
+            self.counts.update(counts)
+            if latency_ms is not None:
+                self.latencies_ms.append(latency_ms)
 
     def snapshot(self) -> dict:
         lat = np.array(self.latencies_ms) if self.latencies_ms else np.zeros(1)
@@ -101,7 +110,11 @@ class FeatureReader:
         self.metrics = ServingMetrics()
         self._down_until = 0.0
         self._version_value = ff.string_value(model_version)
-        self._conn = self._client = self._sqlite = None
+        # Connections are per thread (a reader shared by a ranker's threads stays correct: each thread pipelines on
+        # its own socket); counters are merged under a lock.
+        self._local = threading.local()
+        self._states: list[_Connections] = []
+        self._lock = threading.Lock()
         self._ts_cache: dict = {}
         self._ttl = {n: v.ttl.total_seconds() for n, v in self.views.items()}
         if misses == "auto":
@@ -118,24 +131,36 @@ class FeatureReader:
         self._pair_tail = b"".join(map(bulk, self._pair_fields))
 
     # -- connections
+    @property
+    def _own(self) -> "_Connections":
+        """This thread's connections."""
+        own = getattr(self._local, "c", None)
+        if own is None:
+            own = self._local.c = _Connections()
+            with self._lock:
+                self._states.append(own)
+        return own
+
     def _redis(self):
         """A dedicated connection (redis-py does TLS/AUTH/SELECT) used raw: one pipelined write, hiredis replies."""
-        if self._conn is None:
+        own = self._own
+        if own.conn is None:
             import hiredis
-            self._client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
-            conn = self._client.connection_pool.make_connection()
+            own.client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
+            conn = own.client.connection_pool.make_connection()
             conn.connect()
-            self._conn, self._reader = conn, hiredis.Reader()
-        return self._conn
+            own.conn, own.reader = conn, hiredis.Reader()
+        return own.conn
 
     def _sqlite_conn(self):
-        if self._sqlite is None:
+        own = self._own
+        if own.sqlite is None:
             path = self.cfg.sqlite_path
             if not Path(path).exists():
                 raise FileNotFoundError(f"{path}: no online store yet (run `solaris materialize`)")
-            self._sqlite = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
-                                           timeout=self.budget_ms / 1000.0)
-        return self._sqlite
+            own.sqlite = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
+                                         timeout=self.budget_ms / 1000.0)
+        return own.sqlite
 
     # -- reads: each returns [(embedding, version, event time s) or None for the aggregate, the neighbour view,
     #    then each pair]
@@ -164,9 +189,10 @@ class FeatureReader:
 
     def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
         """Redis Cluster: the keys live on several nodes; redis-py's cluster pipeline, one round trip per node."""
-        if self._client is None:
-            self._client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
-        pipe = self._client.pipeline(transaction=False)
+        own = self._own
+        if own.client is None:
+            own.client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
+        pipe = own.client.pipeline(transaction=False)
         pipe.hmget(ukey, self._user_fields)
         for k in pkeys:
             pipe.hmget(k.tobytes(), self._pair_fields)
@@ -184,7 +210,7 @@ class FeatureReader:
         rec["k"] = keys
         rec["f"] = np.frombuffer(self._pair_tail, np.uint8)
         conn._sock.sendall(head + rec.tobytes())
-        replies, reader, sock = [], self._reader, conn._sock
+        replies, reader, sock = [], self._own.reader, conn._sock
         while len(replies) < 1 + len(pkeys):
             r = reader.gets()
             if r is False:
@@ -239,7 +265,7 @@ class FeatureReader:
         emb = np.zeros((n, self.dim), np.float32)
         tiers = np.full(n, T_NONE, np.int64)
         ages = np.full(n, np.nan)
-        c = self.metrics.counts
+        c = Counter()                  # this read's counts, merged into the metrics at the end (threads)
         c["requests"] += 1
         c["rows"] += n
         failed = False
@@ -251,7 +277,7 @@ class FeatureReader:
                 raw = (self._read_redis if self.cfg.kind == "redis" else self._read_sqlite)(int(user_id), items)
                 if (time.perf_counter() - t0) * 1000 > self.budget_ms:
                     c["over_budget"] += 1
-                self._resolve(raw, now_s, emb, tiers, ages)
+                self._resolve(raw, now_s, emb, tiers, ages, c)
             except Exception as e:
                 failed = True
                 emb[:], tiers[:], ages[:] = 0.0, T_NONE, np.nan        # nothing half-resolved is served
@@ -270,7 +296,7 @@ class FeatureReader:
                 if len(missed):
                     self.misses.put(int(user_id), missed, int(now_s * 1000))
         ms = (time.perf_counter() - t0) * 1000
-        self.metrics.latencies_ms.append(ms)
+        self.metrics.add(c, ms)
         return Features(emb, tiers, ms, failed, ages)
 
     def _check(self, row, ttl_s: float, now_s: float):
@@ -284,8 +310,8 @@ class FeatureReader:
             return FUTURE
         return STALE if age > ttl_s else row[0]
 
-    def _resolve(self, raw: list, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray) -> None:
-        c = self.metrics.counts
+    def _resolve(self, raw: list, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray,
+                 c: Counter) -> None:
         fallback = None
         for tier, row, ttl_s in ((T_AGG, raw[0], self._ttl["user_aggregates"]),
                                  (T_NB, raw[1], self._ttl["neighbours"])):
@@ -319,16 +345,30 @@ class FeatureReader:
             ages[~ok] = fallback[2]
 
     def _reset(self) -> None:
-        """Drops connections after a failure (a reply may be outstanding); the next read reconnects."""
-        for conn in (self._conn, self._client, self._sqlite):
-            try:
-                if conn is not None:
-                    conn.disconnect() if conn is self._conn else conn.close()
-            except Exception:
-                pass
-        self._conn = self._client = self._sqlite = None
+        """Drops this thread's connections after a failure (a reply may be outstanding); its next read reconnects."""
+        self._own.drop()
 
     def close(self) -> None:
+        """Closes every thread's connections and flushes the miss queue."""
         if self.misses is not None:
             self.misses.close()
-        self._reset()
+        with self._lock:
+            states, self._states = self._states, []
+        for own in states:
+            own.drop()
+
+
+class _Connections:
+    """One thread's connections to the store."""
+
+    def __init__(self):
+        self.conn = self.reader = self.client = self.sqlite = None
+
+    def drop(self) -> None:
+        for c in (self.conn, self.client, self.sqlite):
+            try:
+                if c is not None:
+                    c.disconnect() if c is self.conn else c.close()
+            except Exception:
+                pass
+        self.conn = self.reader = self.client = self.sqlite = None
