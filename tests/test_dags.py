@@ -337,6 +337,23 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
         assert set(reader.read(user, items, ML_END + HOUR).tier_names()) == {tier}, version
         reader.close()
 
+    # A new version whose checkpoint is corrupt (truncated by a crashed upload) or missing is never published:
+    # the publish task fails naming the file, `current` keeps the good version, and the refresh goes on with it.
+    import shutil
+
+    from models.checkpoint import CheckpointError
+    from solaris_jobs.flows.training_steps import publish
+    bad = reg / "versions" / "corrupt"
+    shutil.copytree(current, bad, ignore=shutil.ignore_patterns("served"))
+    (bad / "ae.pt").write_bytes((bad / "ae.pt").read_bytes()[:500])
+    with pytest.raises(CheckpointError, match=r"corrupt/ae\.pt"):
+        publish(str(bad))
+    (bad / "ae.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"corrupt/ae\.pt: no checkpoint there"):
+        publish(str(bad))
+    assert (reg / "current").resolve() == current
+    assert o.run_step(Settings.from_env(), "embed", ML_END - HOUR, ML_END)["model_version"] == new[0]
+
 
 def test_reembed_finds_the_latest_intervals_start():
     from solaris_jobs.flows.training_steps import latest_start
