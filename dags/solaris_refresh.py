@@ -13,6 +13,7 @@ when a task runs (`SOLARIS_DATA`, `SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_
 table lists them all) and passed whole to the Spark steps, in-process or as `--settings` JSON through spark-submit.
 DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,
 `SOLARIS_SPARK_CONN_ID` (Spark steps through `SparkSubmitOperator` instead of in-process),
+`SOLARIS_REDIS_CONN_ID` (the Redis online store from an Airflow connection instead of `SOLARIS_REDIS`),
 `SOLARIS_FM_QUEUE` / `SOLARIS_FM_POOL` (send FM inference to GPU workers).
 """
 from __future__ import annotations
@@ -25,6 +26,13 @@ from airflow.sdk import DAG, Asset, CronDataIntervalTimetable, get_current_conte
 
 ROOT = Path(__file__).resolve().parent.parent
 SPARK_CONN = os.environ.get("SOLARIS_SPARK_CONN_ID")
+REDIS_CONN = os.environ.get("SOLARIS_REDIS_CONN_ID")     # an Airflow connection for the Redis online store
+
+
+def _redis_connection(context=None) -> None:
+    """``SOLARIS_REDIS`` from the Airflow connection, when one is configured (before a task touches the store)."""
+    from solaris_jobs.online.store_config import use_airflow_connection
+    use_airflow_connection(REDIS_CONN)
 
 
 def _asset(name: str) -> Asset:
@@ -65,6 +73,7 @@ def _settings():
 def _run(step: str) -> dict:
     from solaris_jobs.flows import refresh_steps as o
     ctx = get_current_context()
+    _redis_connection()
     # The run id owns the interval's lease for the run's steps: another run of the same interval (a backfill beside
     # the schedule) stops with a clear error instead of mixing its outputs with this one's.
     return o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"], owner=ctx["run_id"])
@@ -80,8 +89,10 @@ def _spark_submit(step: str, script: str, **kwargs):
     args = ["--settings", "{{ solaris_settings() }}",
             "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}",
             "--lease-owner", "{{ run_id }}"]
+    # spark-submit inherits the task's environment: the driver takes the interval's lease in the same store.
     return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
-                               application_args=args, doc_md=DOCS[step], **kwargs)
+                               application_args=args, doc_md=DOCS[step], on_execute_callback=_redis_connection,
+                               **kwargs)
 
 
 with DAG(

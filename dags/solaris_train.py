@@ -65,6 +65,8 @@ with DAG(
                  "neighbours) and materializes it: the online store holds the new version.")
     def reembed() -> dict:
         from solaris_jobs.flows import training_steps as t
+        from solaris_jobs.online.store_config import use_airflow_connection
+        use_airflow_connection(os.environ.get("SOLARIS_REDIS_CONN_ID"))       # the online store, if on Redis
         return t.reembed_latest()
 
     chain = prepare()

@@ -1,6 +1,8 @@
 """Feature store and serving against real stores: a real redis-server on a free port and SQLite, the real Feast SDK
 reading what we wrote, the MovieLens refresh outputs of ``ml_run`` as data."""
 import importlib.util
+import json
+from unittest.mock import ANY
 import os
 import signal
 import time
@@ -535,7 +537,7 @@ def test_redis_failing_mid_materialization_fails_the_task_and_a_retry_completes(
     assert _dump(redis.Redis(port=redis_server.port)) == clean
 
 
-def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch):
+def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch, caplog):
     """A Redis that speaks only TLS and requires AUTH, named as Feast names it (``host:port,password=...,ssl=true,
     ssl_ca_certs=...``): materialization, the stock Feast SDK, the serving reader (its raw pipelined socket is the
     TLS one), the miss stream and its drain, and the interval lease all work through it; a wrong password or a
@@ -550,6 +552,7 @@ def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch)
         yaml = feast_yaml(tmp_path / "fs.yaml", f'  type: redis\n  connection_string: "{server.connection_string}"')
         cfg = store_config.load(REPO, yaml)
         assert cfg.describe().endswith("(tls)")
+        caplog.set_level("DEBUG")
         st = materialize(cfg, job.offline, ML_END, expire_from="write")
         assert all(st["views"][n]["written"] == len(df) > 0 for n, df in off.items())
         assert ML_END in materialized_intervals(cfg)
@@ -587,6 +590,23 @@ def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch)
         g = down.read(user, mine.item_id.to_numpy(), ML_END + HOUR)
         assert g.failed_open and set(g.tier_names()) == {"none"}
         down.close()
+        # The same store through an Airflow connection (what SOLARIS_REDIS_CONN_ID names), read by the real
+        # Airflow SDK: the repo's feature_store.redis.yaml expands the SOLARIS_REDIS it builds.
+        monkeypatch.setenv("AIRFLOW_CONN_SOLARIS_TEST_REDIS", json.dumps({
+            "conn_type": "redis", "host": "127.0.0.1", "port": server.port, "password": "s3cret-pw", "schema": "0",
+            "extra": {"ssl": "true", "ssl_ca_certs": str(tmp_path / "tls" / "cert.pem")}}))
+        monkeypatch.delenv("SOLARIS_REDIS", raising=False)
+        assert store_config.use_airflow_connection("solaris_test_redis")
+        via = store_config.load(REPO, REPO / "feature_store.redis.yaml")
+        assert via.nodes == cfg.nodes and via.redis_params == {**cfg.redis_params, "db": 0}
+        assert materialize(via, job.offline, ML_END, expire_from="write")["views"] == {
+            n: {**v, "seconds": ANY, "rows_per_s": ANY} for n, v in st["views"].items()}
+        with pytest.raises(ValueError, match="'password' holds a ','") as bad:
+            store_config.connection_string("h", 1, password="a,b")
+        assert "a,b" not in str(bad.value)
+        # The password is in no step's stats (the tasks' XComs), log line, error or config repr.
+        stats = json.dumps([st, list(materialized_intervals(cfg).values()), lease.holder(cfg, ML_END)], default=str)
+        assert "s3cret-pw" not in stats + caplog.text + repr(cfg) + cfg.describe()
 
 
 def test_one_reader_shared_by_threads_serves_what_it_serves_alone(ml_run, store):

@@ -446,6 +446,7 @@ def cache_dir(env=None) -> Path:
 # Read by the DAG files themselves at parse time (scheduling and task placement); listed here for the README and
 # for the demo, which sets some of them (``dag_env``).
 SPARK_CONN_ENV = "SOLARIS_SPARK_CONN_ID"         # also read outside the DAGs: `solaris airflow` checks it
+REDIS_CONN_ENV = "SOLARIS_REDIS_CONN_ID"
 DAG_ENV = {          # their defaults are in the DAG files (and the README)
     "SOLARIS_REFRESH_CRON": "refresh schedule",
     "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
@@ -455,12 +456,15 @@ DAG_ENV = {          # their defaults are in the DAG files (and the README)
     "SOLARIS_RETRIES": "task retries",
     "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off",
     SPARK_CONN_ENV: "when set, the four Spark steps become SparkSubmitOperators on that connection",
+    REDIS_CONN_ENV: "Airflow connection (type redis) the tasks build `SOLARIS_REDIS` from: host, port, login, "
+                    "password, schema as the db number, extras as further parameters (`ssl`, `ssl_ca_certs`, ...)",
     "SOLARIS_FM_QUEUE": "Celery queue of the FM task (GPU workers)",
     "SOLARIS_FM_POOL": "pool of the FM task",
 }
 
 # Named by other tools: Feast's yaml files expand it, so it is not read here.
-OTHER_ENV = {"SOLARIS_REDIS": "Redis connection string expanded in feature_store.redis*.yaml"}
+REDIS_ENV = "SOLARIS_REDIS"
+OTHER_ENV = {REDIS_ENV: "Redis connection string expanded in feature_store.redis*.yaml"}
 
 
 def dag_env(start_date=None, end_date=None, retries=None) -> dict[str, str]:

@@ -28,7 +28,8 @@ class StoreConfig:
     sqlite_path: Path | None = None
     redis_type: str = "redis"                  # redis | redis_cluster
     nodes: tuple[tuple[str, int], ...] = ()
-    redis_params: dict = field(default_factory=dict)   # password, ssl, db, ... (redis-py keyword arguments)
+    # password, ssl, db, ... (redis-py keyword arguments); kept out of repr so that a logged config shows no secret
+    redis_params: dict = field(default_factory=dict, repr=False)
 
     def describe(self) -> str:
         if self.kind == "sqlite":
@@ -58,6 +59,44 @@ def parse_connection_string(s: str) -> tuple[list[tuple[str, int]], dict]:
     if not nodes:
         raise ValueError(f"redis connection string {s!r} names no host:port")
     return nodes, params
+
+
+def connection_string(host: str, port: int | None = None, password: str | None = None, db=None,
+                      login: str | None = None, extras: dict | None = None) -> str:
+    """Feast's Redis connection string from the parts of a connection (an Airflow connection's host, port,
+    password, login, schema as the db number and extras such as ``ssl`` or ``ssl_ca_certs``).
+
+    Raises:
+        ValueError: a value holds a comma (Feast's format cannot carry it; the message does not show the value).
+    """
+    parts = [f"{host}:{int(port or 6379)}"]
+    params = {"username": login, "password": password, "db": int(db) if db not in (None, "") else None,
+              **(extras or {})}
+    for k, v in params.items():
+        if v is None or v == "":
+            continue
+        v = json.dumps(v) if isinstance(v, bool) else str(v)
+        if "," in v or "," in k:
+            raise ValueError(f"redis connection parameter {k!r} holds a ',', which Feast's connection string "
+                             f"cannot carry")
+        parts.append(f"{k}={v}")
+    return ",".join(parts)
+
+
+def use_airflow_connection(conn_id: str | None) -> bool:
+    """Sets the Redis connection variable (``settings.REDIS_ENV``, what ``feature_store.redis*.yaml`` expands) from
+    the Airflow connection ``conn_id`` (None: nothing to do). Airflow's secrets masker hides the password in task logs once it has been read.
+
+    Returns:
+        Whether a connection was applied.
+    """
+    if not conn_id:
+        return False
+    from airflow.sdk import Connection
+    c = Connection.get(conn_id)
+    os.environ[settings.REDIS_ENV] = connection_string(c.host, c.port, c.password, c.schema, c.login,
+                                                       c.extra_dejson)
+    return True
 
 
 def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None) -> StoreConfig:
