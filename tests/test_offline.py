@@ -29,6 +29,27 @@ off.write_interval(df, sys.argv[1], "user_aggregates", sys.argv[2])
 """
 
 
+# A Spark job whose task on partition 1 has its Python worker SIGKILLed on the first attempt, writing an output.
+TASK_KILLED = """
+import os, signal, sys
+import pandas as pd
+from pyspark import TaskContext
+from solaris_jobs.core import offline as off
+from solaris_jobs.pipeline.spark import spark_session
+spark = spark_session("task-killed", sys.argv[3], {"spark.ui.enabled": "false"}, driver_memory="1g")
+
+def die_once(batches):
+    ctx = TaskContext.get()
+    for b in batches:
+        if ctx.partitionId() == 1 and ctx.attemptNumber() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield b
+
+df = spark.createDataFrame(pd.DataFrame({"user_id": range(200, 300), "v": 4.0})).repartition(4)
+off.write_interval(df.mapInPandas(die_once, df.schema), sys.argv[1], "user_aggregates", sys.argv[2])
+"""
+
+
 def _rows(offline) -> pd.DataFrame:
     return off.read_table(offline, "user_aggregates", END).to_pandas().sort_values("user_id").reset_index(drop=True)
 
@@ -61,6 +82,27 @@ def test_a_writer_killed_before_its_publish_leaves_the_old_output_whole(tmp_path
     latest = off.write_interval(new, offline, "user_aggregates", END)
     names = sorted(p.name for p in folder.iterdir())
     assert names == [f"{off.POINTER}.0000000003.{Path(latest).name[len(off.RUN):]}", Path(latest).name], names
+
+
+def test_a_spark_task_killed_mid_job_is_retried_or_fails_with_nothing_published(tmp_path):
+    """A task's Python worker SIGKILLed mid-job: under a master that retries tasks (``local[2,3]``) the job
+    completes and publishes the whole output; under one that does not (``local[2]``) the job fails, nothing is
+    published, the old output stays whole, and no staged folder is left behind."""
+    offline = tmp_path / "offline"
+    old = pd.DataFrame({"user_id": range(10), "v": 1.0})
+    off.write_interval(old, offline, "user_aggregates", END)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", TASK_KILLED, str(offline), END.isoformat(), "local[2]"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "Python worker exited unexpectedly" in res.stderr, res.stderr[-3000:]
+    pd.testing.assert_frame_equal(_rows(offline), old)
+    staging = offline / "user_aggregates" / off.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
+    res = subprocess.run([sys.executable, "-c", TASK_KILLED, str(offline), END.isoformat(), "local[2,3]"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Python worker exited unexpectedly" in res.stderr                # the kill happened, and was retried
+    pd.testing.assert_frame_equal(_rows(offline), pd.DataFrame({"user_id": range(200, 300), "v": 4.0}))
 
 
 def test_publish_checks_its_data_and_readers_check_the_run(tmp_path, monkeypatch):
