@@ -127,7 +127,24 @@ class SparkStandalone:
             stop(p)
 
 
-class RedisServer:
+class _Server:
+    """A server process of the tests (``self.proc``, started by ``start``): stopped by ``stop`` or on leaving
+    ``with``."""
+    proc: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class RedisServer(_Server):
     """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test.
     With ``tls_dir`` it speaks only TLS (a self-signed certificate for 127.0.0.1 made there, ``tls_dir/cert.pem``);
     with ``password`` it requires AUTH. ``connection_string`` is what a feature_store.yaml names it by."""
@@ -186,16 +203,6 @@ class RedisServer:
         _wait_for(up, 20, "redis-server", log)
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc)
-            self.proc = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def self_signed_cert(folder: Path) -> None:
@@ -227,7 +234,7 @@ def self_signed_cert(folder: Path) -> None:
     (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-class S3Server:
+class S3Server(_Server):
     """An S3-API server on 127.0.0.1 and a free port: moto's server mode, from its own venv (``.venv-s3``, made by
     ``make test``; see requirements-s3.txt). ``env`` holds the standard AWS settings that point pyarrow (and so
     every SOLARIS step outside Spark) at it; ``bucket(name)`` creates a bucket."""
@@ -273,16 +280,6 @@ class S3Server:
                           region="us-east-1", allow_bucket_creation=True).create_dir(name)
         return name
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc)
-            self.proc = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 def _free_cluster_port() -> int:
