@@ -213,7 +213,8 @@ def test_two_runs_of_one_interval_started_at_once_one_refused_the_other_complete
                                                                                   monkeypatch):
     """Two `solaris backfill`s of the same interval started together (as a backfill beside the scheduled run): the
     interval's lease lets one run its steps; the other is refused at its first step, naming the holder, and writes
-    nothing; the interval ends complete, and its lease is released for the next run."""
+    nothing; the interval ends complete, and its lease is released for the next run. Then a backfill killed
+    mid-way and rerun ends as that uninterrupted run did."""
     import threading
 
     from solaris_jobs.flows import refresh_steps as o
@@ -245,6 +246,57 @@ def test_two_runs_of_one_interval_started_at_once_one_refused_the_other_complete
     from solaris_jobs.core import offline as off
     assert off.read_stats(s.offline, "selection", ML_END)["pairs_selected"] == \
         done[0][0]["steps"]["select"]["pairs_selected"]
+
+    # A third `solaris backfill` of the interval into a fresh store, SIGKILLed once the interval's selection is
+    # published (FM inference running): the rerun is refused while the dead run's lease stands (the error names
+    # it and `solaris lease release`); once released, the rerun completes the interval with the same offline
+    # outputs (row for row) and the same online store (digest) as the uninterrupted run above.
+    import signal
+    import time
+
+    from tests.support import assert_same_outputs
+    run = tmp_path / "killed"
+    run.mkdir()
+    env = {**os.environ, "SOLARIS_OFFLINE": str(run / "offline"), "FEAST_FS_YAML_FILE_PATH": str(_sqlite_yaml(run)),
+           "PYTHONPATH": str(ROOT)}
+    with open(run / "backfill.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "solaris_jobs.flows.cli", "backfill", "--start",
+                                 start.isoformat(), "--end", ML_END.isoformat()], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not off.is_complete(str(run / "offline"), "selection", ML_END):
+            assert proc.poll() is None and time.monotonic() < deadline, (run / "backfill.log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert not off.is_complete(str(run / "offline"), "neighbours", ML_END)          # killed mid-way
+    monkeypatch.setenv("SOLARIS_OFFLINE", str(run / "offline"))
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(run / "fs.yaml"))
+    killed = Settings.from_env()
+    assert not o.interval_complete(killed, ML_END)
+    with pytest.raises(lease.LeaseHeld, match=r"backfill-\w+.*solaris lease release") as held:
+        o.backfill(killed, start, ML_END)
+    assert lease.release(o.store(killed), ML_END, held.value.holder)
+    assert o.backfill(killed, start, ML_END)[0]["status"] == "done" and o.interval_complete(killed, ML_END)
+    assert_same_outputs(s.offline, killed.offline, ML_END)
+    assert _online_digest(run / "online.db") == _online_digest(tmp_path / "online.db")
+
+
+def _online_digest(db: Path) -> str:
+    """A digest of every feature row a SQLite online store holds (key, feature, value, event time; not the write
+    time), and of the intervals recorded as materialized (without their timings)."""
+    import hashlib
+    conn = sqlite3.connect(str(db))
+    h = hashlib.sha256()
+    for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name LIKE 'solaris_%' "
+                                 "AND name NOT LIKE 'solaris_materialized' AND name NOT LIKE 'solaris_leases' "
+                                 "ORDER BY name"):
+        h.update(table.encode())
+        for row in conn.execute(f'SELECT entity_key, feature_name, value, event_ts FROM "{table}" ORDER BY 1, 2'):
+            h.update(repr(row).encode())
+    h.update(repr(sorted(k for k, in conn.execute("SELECT interval_end FROM solaris_materialized"))).encode())
+    conn.close()
+    return h.hexdigest()
 
 
 def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
