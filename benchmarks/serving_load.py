@@ -54,7 +54,8 @@ def make_data(offline: Path, n_users: int, pairs_per_user: int, straddle: float,
     age = rng.uniform(60, PAIR_TTL_S / 2, len(u))
     cross = rng.random(len(u)) < straddle
     age[cross] = PAIR_TTL_S - rng.uniform(0, window_s, int(cross.sum()))
-    age = np.round(age)                                  # whole seconds: one write group per distinct event time
+    # 30 s steps: a few hundred distinct event times (a refresh writes one per interval; the reader caches them)
+    age = np.round(age / 30) * 30
     ts = now - pd.to_timedelta(age, unit="s")
     end = now.floor("h")
     pairs = pd.DataFrame({"user_id": u, "item_id": i, "embedding": list(emb), "event_timestamp": ts,
