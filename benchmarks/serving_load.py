@@ -207,12 +207,24 @@ def main() -> None:
               f"rows reach their TTL in the next {window:.0f} s", flush=True)
         t_start = time.time()
         results = {m: {} for m in modes}
+        admin = store_config.redis_client(cfg)
+
+        def server_cpu_s() -> float:                     # redis-server's own CPU time (user + system)
+            info = admin.info("cpu")
+            return info["used_cpu_user"] + info["used_cpu_sys"]
+
         for n in args.clients:
             for mode in modes:
+                cpu0 = server_cpu_s()
                 parts = (run_processes if mode == "processes" else run_threads)(cfg, truth, n, args.seconds)
                 results[mode][n] = r = summarize(parts, args.seconds)
+                # Where the time goes: the single-threaded server's CPU per request (its floor on latency and
+                # its ceiling on throughput: 1 / this requests/s), measured over the point (start-up included).
+                r["redis_server_cpu_ms_per_request"] = round((server_cpu_s() - cpu0) * 1000 / max(r["requests"], 1), 3)
                 print(f"{mode:9s} {n:3d}: {r['lookups_per_s'] / 1e6:.2f}M lookups/s, p50 {r['p50_ms']} ms, "
-                      f"p99 {r['p99_ms']} ms, errors {r['errors']}, stale {r['stale_rows_served']}", flush=True)
+                      f"p99 {r['p99_ms']} ms, errors {r['errors']}, stale {r['stale_rows_served']}; redis-server "
+                      f"{r['redis_server_cpu_ms_per_request']} ms CPU per request", flush=True)
+        admin.close()
         expired_during = int(((truth["event_s"] + PAIR_TTL_S > t_start)
                               & (truth["event_s"] + PAIR_TTL_S < time.time())).sum())
         import importlib.util

@@ -46,8 +46,14 @@ def test_feast_byte_formats_match_feast():
     t = Timestamp(seconds=888710400, nanos=250)
     assert ff.timestamp(888710400, 250) == t.SerializeToString()
     assert ff.parse_timestamp(t.SerializeToString()) == pytest.approx(888710400.00000025)
-    dec, ok = ff.parse_float_lists([bytes(x) for x in ff.float_lists(m)] + [None, b"\x12\x01a"], 8)
-    assert np.array_equal(dec[:4], m) and ok.tolist() == [True] * 4 + [False, False]
+    good = [bytes(x) for x in ff.float_lists(m)]
+    # Not a float list of width 8: absent, short, the right length with another prefix, one byte too long.
+    bad = [None, b"\x12\x01a", b"\x00" * len(good[0]), good[0] + b"\x00"]
+    dec, ok = ff.parse_float_lists(good[:2] + bad + good[2:], 8)
+    assert np.array_equal(dec[ok], m) and ok.tolist() == [True] * 2 + [False] * 4 + [True] * 2
+    assert not dec[~ok].any()
+    dec, ok = ff.parse_float_lists(good + bad, 8, mask=np.array([True, False, True, True] + [True] * 4))
+    assert ok.tolist() == [True, False, True, True] + [False] * 4 and np.array_equal(dec[[0, 2, 3]], m[[0, 2, 3]])
 
 
 def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):

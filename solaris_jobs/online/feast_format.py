@@ -179,17 +179,30 @@ def parse_string(buf: bytes) -> str | None:
     return buf[pos: pos + n].decode()
 
 
-def parse_float_lists(bufs: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Decodes serialized float-list Values of width ``dim``.
+def parse_float_lists(bufs: list, dim: int, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes serialized float-list Values of width ``dim`` (those where ``mask`` is true, if given), in bulk.
 
     Returns:
         ((n, dim) float32 matrix, (n,) bool: the value was a float list of that width; other rows are zeros).
     """
     prefix = float_list_prefix(dim)
     width = len(prefix) + 4 * dim
-    ok = np.fromiter((b is not None and len(b) == width and b.startswith(prefix) for b in bufs), bool, len(bufs))
-    out = np.zeros((len(bufs), dim), np.float32)
-    if ok.any():
-        raw = b"".join(b for b, good in zip(bufs, ok) if good)
-        out[ok] = np.frombuffer(raw, np.uint8).reshape(-1, width)[:, len(prefix):].copy().view("<f4")
+    n = len(bufs)
+    out, ok = np.zeros((n, dim), np.float32), np.zeros(n, bool)
+    idx = (np.flatnonzero(mask) if mask is not None else
+           np.fromiter((i for i, b in enumerate(bufs) if b is not None), np.int64))
+    if not len(idx):
+        return out, ok
+    sel = [bufs[i] for i in idx.tolist()]
+    if mask is not None and None in sel:
+        keep = np.fromiter((b is not None for b in sel), bool, len(sel))
+        idx, sel = idx[keep], [b for b in sel if b is not None]
+    right = np.fromiter(map(len, sel), np.int64, len(sel)) == width
+    if not right.all():
+        idx, sel = idx[right], [b for b, r in zip(sel, right) if r]
+    if sel:
+        a = np.frombuffer(b"".join(sel), np.uint8).reshape(-1, width)
+        good = (a[:, :len(prefix)] == np.frombuffer(prefix, np.uint8)).all(axis=1)
+        out[idx[good]] = a[good, len(prefix):].copy().view("<f4")
+        ok[idx[good]] = True
     return out, ok

@@ -17,11 +17,14 @@ zeros. Returns an (N, D) float32 matrix and a tier per row (``solaris_jobs.core.
 from __future__ import annotations
 
 import logging
+import math
+import operator
 import sqlite3
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +118,7 @@ class FeatureReader:
         self._local = threading.local()
         self._states: list[_Connections] = []
         self._lock = threading.Lock()
-        self._ts_cache: dict = {}
+        self._ts = _Timestamps()
         self._ttl = {n: v.ttl.total_seconds() for n, v in self.views.items()}
         if misses == "auto":
             misses = RedisStreamSink(cfg) if cfg.kind == "redis" else (ParquetSink(misses_dir) if misses_dir
@@ -162,18 +165,8 @@ class FeatureReader:
                                          timeout=self.budget_ms / 1000.0)
         return own.sqlite
 
-    # -- reads: each returns [(embedding, version, event time s) or None for the aggregate, the neighbour view,
-    #    then each pair]
-    def _ts(self, raw: bytes | None) -> float | None:
-        if raw is None:
-            return None
-        t = self._ts_cache.get(raw)
-        if t is None:
-            if len(self._ts_cache) > 10_000:
-                self._ts_cache.clear()
-            t = self._ts_cache[raw] = ff.parse_timestamp(raw)
-        return t
-
+    # -- reads: each returns ([the aggregate's and the neighbour view's (embedding, version, event time s) or None],
+    #    the pairs' (embeddings, versions, event times s) as two lists (None where absent) and a float array (NaN))
     def _read_redis(self, user: int, items: np.ndarray) -> list:
         ukey = ff.entity_key({"user_id": user}, self._suffix)
         pkeys = ff.entity_keys({"user_id": np.full(len(items), user, np.int64), "item_id": items}, self._suffix)
@@ -181,11 +174,11 @@ class FeatureReader:
             replies = self._read_cluster(ukey, pkeys)
         else:
             replies = self._read_single(ukey, pkeys)
-        u = replies[0]
-        out = [(u[0], u[1], self._ts(u[2])) if u[0] is not None else None,
-               (u[3], u[4], self._ts(u[5])) if u[3] is not None else None]
-        out += [(r[0], r[1], self._ts(r[2])) if r[0] is not None else None for r in replies[1:]]
-        return out
+        u, ts = replies[0], self._ts
+        flat = list(chain.from_iterable(replies[1:]))             # [embedding, version, ts] per pair, flattened
+        users = [(u[0], u[1], ts[u[2]]) if u[0] is not None else None,
+                 (u[3], u[4], ts[u[5]]) if u[3] is not None else None]
+        return users, (flat[0::3], flat[1::3], np.fromiter(map(ts.__getitem__, flat[2::3]), np.float64, len(pkeys)))
 
     def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
         """Redis Cluster: the keys live on several nodes; redis-py's cluster pipeline, one round trip per node."""
@@ -210,18 +203,17 @@ class FeatureReader:
         rec["k"] = keys
         rec["f"] = np.frombuffer(self._pair_tail, np.uint8)
         conn._sock.sendall(head + rec.tobytes())
-        replies, reader, sock = [], self._own.reader, conn._sock
-        while len(replies) < 1 + len(pkeys):
-            r = reader.gets()
-            if r is False:
-                data = sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionError("redis closed the connection")
-                reader.feed(data)
-                continue
-            if isinstance(r, Exception):
-                raise r
-            replies.append(r)
+        replies, reader, sock, need = [], self._own.reader, conn._sock, 1 + len(pkeys)
+        while True:
+            replies.extend(iter(reader.gets, False))        # every complete reply buffered, parsed in C
+            if len(replies) >= need:
+                break
+            data = sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("redis closed the connection")
+            reader.feed(data)
+        if any(map(isinstance, replies, repeat(Exception))):
+            raise next(r for r in replies if isinstance(r, Exception))
         return replies
 
     def _read_sqlite(self, user: int, items: np.ndarray) -> list:
@@ -253,8 +245,10 @@ class FeatureReader:
         pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),
                                                       "item_id": items})]
         pr = rows(self.views["pair_embeddings"], pkeys)
-        return [triple(rows(self.views["user_aggregates"], [ukey]).get(ukey)),
-                triple(rows(self.views["neighbours"], [ukey]).get(ukey)), *[triple(pr.get(k)) for k in pkeys]]
+        pairs = [triple(pr.get(k)) or (None, None, math.nan) for k in pkeys]
+        return ([triple(rows(self.views["user_aggregates"], [ukey]).get(ukey)),
+                 triple(rows(self.views["neighbours"], [ukey]).get(ukey))],
+                ([p[0] for p in pairs], [p[1] for p in pairs], np.array([p[2] for p in pairs], np.float64)))
 
     def read(self, user_id: int, item_ids, now) -> Features:
         """Features for one request. ``now``: the request time (pd.Timestamp-able, or epoch seconds)."""
@@ -286,8 +280,8 @@ class FeatureReader:
                 self._reset()
                 logger.warning("feature read failed open (tier none for %d rows; store skipped for %.1fs): %r",
                                n, self.cooldown_s, e)
-        for t in range(len(TIERS)):
-            c[f"tier_{TIERS[t]}"] += int((tiers == t).sum())
+        for t, k in enumerate(np.bincount(tiers, minlength=len(TIERS)).tolist()):
+            c[f"tier_{TIERS[t]}"] += k
         if self.misses is not None and n:
             if failed:
                 c["misses_skipped_fail_open"] += n
@@ -301,7 +295,7 @@ class FeatureReader:
 
     def _check(self, row, ttl_s: float, now_s: float):
         """The embedding bytes if the row is servable, else a code (missing, other version, future, stale)."""
-        if row is None or row[2] is None:
+        if row is None or row[2] is None or math.isnan(row[2]):
             return MISSING
         if row[1] != self._version_value:
             return OTHER_VERSION
@@ -310,11 +304,12 @@ class FeatureReader:
             return FUTURE
         return STALE if age > ttl_s else row[0]
 
-    def _resolve(self, raw: list, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray,
+    def _resolve(self, raw: tuple, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray,
                  c: Counter) -> None:
+        users, (embs, versions, event_s) = raw
         fallback = None
-        for tier, row, ttl_s in ((T_AGG, raw[0], self._ttl["user_aggregates"]),
-                                 (T_NB, raw[1], self._ttl["neighbours"])):
+        for tier, row, ttl_s in ((T_AGG, users[0], self._ttl["user_aggregates"]),
+                                 (T_NB, users[1], self._ttl["neighbours"])):
             r = self._check(row, ttl_s, now_s)
             if isinstance(r, bytes):
                 vec, ok = ff.parse_float_lists([r], self.dim)
@@ -324,21 +319,25 @@ class FeatureReader:
                 c["bad_width"] += 1
             else:
                 c[f"{TIERS[tier]}_{CODE_NAMES[r]}"] += 1
-        pair_ttl = self._ttl["pair_embeddings"]
-        vals = []
-        for j, row in enumerate(raw[2:]):
-            r = self._check(row, pair_ttl, now_s)
-            if isinstance(r, bytes):
-                vals.append(r)
-                ages[j] = now_s - row[2]
-            else:
-                vals.append(None)
-                c[f"pair_{CODE_NAMES[r]}"] += 1
-        m, ok = ff.parse_float_lists(vals, self.dim)
-        c["bad_width"] += sum(1 for v, good in zip(vals, ok) if v is not None and not good)
+        # The pairs, as _check does it row by row, in bulk: missing, then another version, then future, then stale.
+        n = len(embs)
+        present = np.fromiter(map(operator.is_not, embs, repeat(None)), bool, n) & ~np.isnan(event_s)
+        same = np.fromiter(map(operator.eq, versions, repeat(self._version_value)), bool, n)
+        age = now_s - event_s
+        codes = {MISSING: ~present, OTHER_VERSION: present & ~same}
+        current = present & same
+        codes[FUTURE] = current & (age < 0)
+        codes[STALE] = current & (age > self._ttl["pair_embeddings"])
+        for code, where in codes.items():
+            k = int(where.sum())
+            if k:
+                c[f"pair_{CODE_NAMES[code]}"] += k
+        servable = current & (age >= 0) & (age <= self._ttl["pair_embeddings"])
+        m, ok = ff.parse_float_lists(embs, self.dim, servable)
+        c["bad_width"] += int(servable.sum() - ok.sum())
         emb[ok] = m[ok]
         tiers[ok] = T_PAIR
-        ages[~ok] = np.nan
+        ages[ok] = age[ok]
         if fallback is not None:
             emb[~ok] = fallback[1]
             tiers[~ok] = fallback[0]
@@ -372,3 +371,14 @@ class _Connections:
             except Exception:
                 pass
         self.conn = self.reader = self.client = self.sqlite = None
+
+
+class _Timestamps(dict):
+    """Event times (epoch seconds, NaN for None) of serialized Timestamps, each parsed once: the rows of one
+    output interval share theirs (bounded: cleared past 10,000)."""
+
+    def __missing__(self, raw: bytes | None) -> float:
+        if len(self) > 10_000:
+            self.clear()
+        t = self[raw] = math.nan if raw is None else ff.parse_timestamp(raw)
+        return t
