@@ -151,7 +151,8 @@ def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, s
     from solaris_jobs.core import offline as off
     from solaris_jobs.pipeline import jobs
     offline = tmp_path / "offline"
-    precompute = json.loads(_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5}
+    precompute = json.loads(_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5,
+                                                   "lookback_days": 21}
     for k, v in {"SOLARIS_OFFLINE": str(offline), "SOLARIS_PRECOMPUTE": json.dumps(precompute),
                  "SOLARIS_SPARK_CONN_ID": "solaris_test_spark",
                  "AIRFLOW_CONN_SOLARIS_TEST_SPARK": json.dumps({"conn_type": "spark", "host": "local[2]"}),
@@ -168,7 +169,7 @@ def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, s
         dict.fromkeys(("select", "embed", "aggregate", "neighbours"), "SparkSubmitOperator")
     assert off.read_stats(offline, "selection", ML_END)["select_share"] == 0.3
     s = Settings.from_env(offline=str(tmp_path / "in_process"))
-    assert s.precompute.select_share == 0.3 and s.precompute.history_len == 10
+    assert s.precompute.select_share == 0.3 and s.precompute.history_len == 10 and s.precompute.lookback_days == 21
     jobs.run(spark, s, ML_END - HOUR, ML_END)
     counts = assert_same_outputs(offline, s.offline, ML_END, rtol=1e-5, atol=1e-6)
     assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0

@@ -83,6 +83,9 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
     f = reader.read(1, [10, 11, 12, 14, 15, 16], end + HOUR)
     assert f.tier_names() == ["pair"] * 3 + ["none"] * 3
     np.testing.assert_array_equal(f.embeddings[:3], np.stack(good))
+    for bad in (float("nan"), pd.NaT):                 # no age, so no TTL, can be checked against it: a clear error
+        with pytest.raises(ValueError, match="request time must be a finite time"):
+            reader.read(1, [10], bad)
     reader.close()
     with pytest.raises(ValueError, match="unknown feature views"):
         materialize(cfg, str(tmp_path / "offline"), end, ["pairs"])
@@ -597,12 +600,20 @@ def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch,
         assert g.failed_open and set(g.tier_names()) == {"none"}
         down.close()
         # The same store through an Airflow connection (what SOLARIS_REDIS_CONN_ID names), read by the real
-        # Airflow SDK: the repo's feature_store.redis.yaml expands the SOLARIS_REDIS it builds.
-        monkeypatch.setenv("AIRFLOW_CONN_SOLARIS_TEST_REDIS", json.dumps({
+        # Airflow SDK: the repo's feature_store.redis.yaml expands the SOLARIS_REDIS it builds. In a process of its
+        # own: importing Airflow here would fix its configuration (AIRFLOW_HOME, its DB) for the rest of the
+        # session, and the DAG tests, run after this module, would then find no serialized DAG.
+        import subprocess
+        import sys
+        env = {**os.environ, "AIRFLOW_HOME": str(tmp_path / "airflow"), "AIRFLOW_CONN_SOLARIS_TEST_REDIS": json.dumps({
             "conn_type": "redis", "host": "127.0.0.1", "port": server.port, "password": "s3cret-pw", "schema": "0",
-            "extra": {"ssl": "true", "ssl_ca_certs": str(tmp_path / "tls" / "cert.pem")}}))
-        monkeypatch.delenv("SOLARIS_REDIS", raising=False)
-        assert store_config.use_airflow_connection("solaris_test_redis")
+            "extra": {"ssl": "true", "ssl_ca_certs": str(tmp_path / "tls" / "cert.pem")}})}
+        env.pop("SOLARIS_REDIS", None)
+        res = subprocess.run([sys.executable, "-c", "import os; from solaris_jobs.online import store_config as c; "
+                              "assert c.use_airflow_connection('solaris_test_redis'); print(os.environ['SOLARIS_REDIS'])"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        monkeypatch.setenv("SOLARIS_REDIS", res.stdout.strip().splitlines()[-1])
         via = store_config.load(REPO, REPO / "feature_store.redis.yaml")
         assert via.nodes == cfg.nodes and via.redis_params == {**cfg.redis_params, "db": 0}
         assert materialize(via, job.offline, ML_END, expire_from="write")["views"] == {

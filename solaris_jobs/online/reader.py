@@ -86,9 +86,13 @@ class ServingMetrics:
 def epoch_seconds(now) -> float:
     """Seconds since the epoch of a time (naive times are UTC) or of a number already in seconds."""
     if isinstance(now, (int, float, np.integer, np.floating)):
-        return float(now)
-    t = pd.Timestamp(now)
-    return (t.tz_localize("UTC") if t.tzinfo is None else t).timestamp()
+        s = float(now)
+    else:
+        t = pd.Timestamp(now)
+        s = float("nan") if t is pd.NaT else (t.tz_localize("UTC") if t.tzinfo is None else t).timestamp()
+    if not math.isfinite(s):            # a caller's bug: no row's age, so no TTL, could be checked against it
+        raise ValueError(f"request time must be a finite time, got {now!r}")
+    return s
 
 
 class FeatureReader:
@@ -205,7 +209,9 @@ class FeatureReader:
         conn._sock.sendall(head + rec.tobytes())
         replies, reader, sock, need = [], self._own.reader, conn._sock, 1 + len(pkeys)
         while True:
-            replies.extend(iter(reader.gets, False))        # every complete reply buffered, parsed in C
+            # Every complete reply buffered, parsed in C. gets() returns False when none is complete; an HMGET reply
+            # is always an array, never False (a top-level integer 0 would be: not a reply this loop reads).
+            replies.extend(iter(reader.gets, False))
             if len(replies) >= need:
                 break
             data = sock.recv(1 << 16)
@@ -251,7 +257,8 @@ class FeatureReader:
                 ([p[0] for p in pairs], [p[1] for p in pairs], np.array([p[2] for p in pairs], np.float64)))
 
     def read(self, user_id: int, item_ids, now) -> Features:
-        """Features for one request. ``now``: the request time (pd.Timestamp-able, or epoch seconds)."""
+        """Features for one request. ``now``: the request time (pd.Timestamp-able, or epoch seconds). A store failure
+        fails open (never raises); a request time that is not a finite time (NaN, NaT) is a ``ValueError``."""
         t0 = time.perf_counter()
         items = np.asarray(item_ids, np.int64)
         n = len(items)
