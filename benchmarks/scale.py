@@ -1,0 +1,192 @@
+"""The refresh at scale: one hourly interval end to end (select, embed, aggregate, neighbours, materialize into a
+real redis-server) on synthetic logs of 10K, 100K and 1M users, with wall time and peak memory per stage and in
+total, and pairs/s. Each size runs in its own child process, so its peak memory is its own; the peak is the RSS
+of the whole process tree (driver JVM, Python driver and workers, redis-server), sampled every 0.2 s.
+
+    .venv/bin/python benchmarks/scale.py --users 10000 100000 1000000
+    .venv/bin/python benchmarks/scale.py --plot-only          # re-plot benchmarks/results/scale.json
+
+The settings are fixed here, before any run, and are the product's defaults except where said:
+- the log: ``solaris data synth`` defaults (ad-like traffic, 5% positives) with ``--days 2`` (one day of active
+  users plus one day before them: an interval's work is driven by the users active in the last 24 h and their
+  candidates; the 30-day lookback then reads the whole 2-day log, so log length is not what this measures) and
+  ``--items 50000`` (the catalogue does not grow with users);
+- the interval: the log's last hour; ``active_hours`` 24, ``lookback_days`` 30, ``--candidates 100`` (the figures
+  #13 started from: 100K users, 10 minutes an interval), ``select_share`` 0.2, ``knn_requery all`` (the first
+  interval of a run is always a full one);
+- the models: production size (FM d_model 64, 2 layers, history 50; AE 32-d codes; VM) trained once, for one
+  epoch on 200K rows, on the smallest size's log, and used for every size: users the models never saw map to the
+  padding row, which costs the same as any other;
+- materialize: ``expire_from write`` (the log is in the past), every view.
+
+Saves benchmarks/results/scale.json and benchmarks/results/scale.png (time and memory vs users, log-log, with the
+linear reference through the smallest size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from precompute_jobs import PeakRSS  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results"
+STAGES = ("select", "embed", "aggregate", "neighbours", "materialize")
+
+
+def train_models(data: Path, out: Path) -> dict:
+    """Production-size FM, AE and verifier VM, one epoch on 200K rows of ``data``."""
+    from solaris_jobs.learning import training
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    ds = training.load_dataset(str(data), history_len=50, max_train_rows=200_000)
+    cfg = training.TrainConfig(epochs=1, history_len=50, max_train_rows=200_000)
+    training.train_fm(ds, out / "fm.pt", cfg)
+    training.train_ae(ds, out / "fm.pt", out / "ae.pt", cfg)
+    training.train_vm(ds, out / "vm.pt", cfg)
+    return {"seconds": round(time.perf_counter() - t0, 1), "trained_on": str(data)}
+
+
+def one_size(users: int, items: int, days: float, work: Path, models: Path, master: str) -> dict:
+    """Generates the log for ``users``, then runs its last hour through every stage; the figures as a dict."""
+    import pandas as pd
+
+    from solaris_jobs.core.settings import Settings, apply_flags
+    from solaris_jobs.data import synth
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialize
+    from solaris_jobs.pipeline import jobs
+    from tests.support import RedisServer, feast_yaml
+
+    data, offline = work / f"data_{users}", work / f"offline_{users}"
+    cfg = synth.SynthConfig(users=users, items=items, days=days, seed=0)
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        manifest = synth.generate(cfg, data)
+        gen = {"seconds": round(time.perf_counter() - t0, 1), "rows": manifest["events"]}
+    gen["peak_rss_mb"] = round(mem.peak / 2**20)
+    print(f"users {users:,}: generated {gen['rows']:,} events in {gen['seconds']} s", flush=True)
+    model_info = None
+    if not (models / "vm.pt").exists():
+        model_info = train_models(data, models)
+        print(f"trained the models on it in {model_info['seconds']} s", flush=True)
+    end = pd.Timestamp(cfg.start) + pd.Timedelta(days=days)
+    start = end - pd.Timedelta(hours=1)
+    s = apply_flags(Settings(data=str(data), offline=str(offline), models=str(models), spark_master=master), {
+        "precompute.active_hours": 24.0, "precompute.lookback_days": 30.0,
+        "precompute.simulator.n_candidates": 100, "precompute.simulator.n_popular": 50,
+        "precompute.knn_requery": "all"})
+    stages: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server, PeakRSS() as total:
+        t_all = time.perf_counter()
+        t0 = time.perf_counter()
+        spark = jobs.session(s, "scale")
+        spark_start = round(time.perf_counter() - t0, 1)
+        try:
+            for step in jobs.SPARK_STEPS:
+                with PeakRSS() as m:
+                    t0 = time.perf_counter()
+                    st = jobs.run(spark, s, start, end, (step,))[step]
+                stages[step] = {"seconds": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(m.peak / 2**20),
+                                "stats": st}
+                print(f"  {step}: {stages[step]['seconds']} s, peak {stages[step]['peak_rss_mb']} MB", flush=True)
+        finally:
+            spark.stop()
+        store = store_config.load(ROOT / "feature_repo", feast_yaml(
+            Path(tmp) / "fs.yaml", f'  type: redis\n  connection_string: "{server.url}"'))
+        with PeakRSS() as m:
+            t0 = time.perf_counter()
+            st = materialize(store, str(offline), end, expire_from="write")
+        stages["materialize"] = {"seconds": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(m.peak / 2**20),
+                                 "stats": st}
+        print(f"  materialize: {stages['materialize']['seconds']} s", flush=True)
+        wall = time.perf_counter() - t_all
+    sel, emb = stages["select"]["stats"], stages["embed"]["stats"]
+    return {"users": users, "items": items, "days": days, "generate": gen, "models": model_info,
+            "interval": [start.isoformat(), end.isoformat()], "spark_start_seconds": spark_start,
+            "stages": stages, "seconds": round(wall, 1), "peak_rss_mb": round(total.peak / 2**20),
+            "active_users": sel["users"], "pairs_considered": sel["pairs_considered"],
+            "pairs_selected": sel["pairs_selected"], "pairs_per_s": round(emb["pairs"] / wall, 1),
+            "embed_model_pairs_per_s": emb.get("model_pairs_per_s")}
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = sorted(results, key=lambda r: r["users"])
+    n = [r["users"] for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, label in ((axes[0], "seconds", "wall time (s)"), (axes[1], "peak_rss_mb", "peak memory (MB)")):
+        for stage in STAGES:
+            ax.plot(n, [r["stages"][stage][key] for r in results], "o-", ms=3, lw=1, label=stage)
+        ax.plot(n, [r[key] for r in results], "ko-", lw=2, label="interval" if key == "seconds" else "whole run")
+        ref = results[0][key]
+        ax.plot(n, [ref * u / n[0] for u in n], "k:", lw=1, label="linear")
+        ax.set(xscale="log", yscale="log", xlabel="users", ylabel=label)
+        ax.grid(True, which="both", lw=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("One hourly interval, 2 cores", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    ap.add_argument("--items", type=int, default=50_000)
+    ap.add_argument("--days", type=float, default=2.0)
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--work", default=None, help="Folder for logs, models and outputs (default: a temporary one).")
+    ap.add_argument("--out", default=str(OUT / "scale.json"))
+    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)   # the child process of one size
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.one:
+        work = Path(args.work)
+        r = one_size(args.one, args.items, args.days, work, work / "models", args.master)
+        print("RESULT " + json.dumps(r, default=str), flush=True)
+        return
+    if args.plot_only:
+        plot(json.loads(out.read_text())["results"], out.with_suffix(".png"))
+        return
+    work = Path(args.work or tempfile.mkdtemp(prefix="solaris_scale_"))
+    results = json.loads(out.read_text())["results"] if out.exists() else []
+    for n in args.users:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, __file__, "--one", str(n), "--items", str(args.items), "--days",
+                                 str(args.days), "--master", args.master, "--work", str(work)],
+                                stdout=subprocess.PIPE, text=True)
+        r = None
+        for line in proc.stdout:
+            if line.startswith("RESULT "):
+                r = json.loads(line[len("RESULT "):])
+            else:
+                print(line, end="", flush=True)
+        if proc.wait() != 0 or r is None:
+            print(f"users {n:,}: failed (exit {proc.returncode}) after {time.perf_counter() - t0:.0f} s", flush=True)
+            break
+        results = [x for x in results if x["users"] != n] + [r]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                   "args": {k: v for k, v in vars(args).items() if k != "one"},
+                                   "results": sorted(results, key=lambda x: x["users"])}, indent=2) + "\n")
+        print(f"users {n:,}: interval {r['seconds']} s ({r['seconds'] / n * 1e3:.2f} ms per user), peak "
+              f"{r['peak_rss_mb']} MB, {r['pairs_selected']:,} pairs selected, {r['pairs_per_s']} pairs/s "
+              f"end to end; per stage (s) {[r['stages'][st]['seconds'] for st in STAGES]}", flush=True)
+    if results:
+        plot(results, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
