@@ -36,31 +36,40 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
-    # Session settings: what a Spark Connect server's sessions take too.
+    # Session settings: what a Spark Connect server's sessions take too. The jobs' results depend on these:
+    # they are set on every session, also one that is already running.
     sql = {
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
+        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    }
+    # Tuning only (the results do not depend on it): set when the session is created, so that a session already
+    # running (a test suite's, a notebook's) keeps its own.
+    tuning = {
         # Many small shuffle partitions, coalesced by adaptive execution: less memory per task at scale.
         "spark.sql.shuffle.partitions": "32",
         "spark.sql.adaptive.enabled": "true",
-        "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
     }
     if master and master.startswith("sc://"):
         # A Spark Connect client: the session is the server's; SOLARIS's jobs need no JVM on this side. (Spark
         # Connect mode holds for the whole Python process: no classic session may exist in it.)
         builder = SparkSession.builder.remote(master).appName(app_name)
-        for k, v in {**sql, **(conf or {})}.items():
+        for k, v in {**sql, **tuning, **(conf or {})}.items():
             builder = builder.config(k, v)
         spark = builder.getOrCreate()
         logger.info("Spark Connect session at %s (Spark %s)", master, spark.version)
         return spark
+    from pyspark import SparkContext
+    # A JVM already running in this process (from any thread: the active session is per thread).
+    running = SparkContext._active_spark_context is not None
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    elif not SparkSession.getActiveSession() and "spark.master" not in os.environ.get("SPARK_CONF", ""):
+    elif not running and "spark.master" not in os.environ.get("SPARK_CONF", ""):
         builder = builder.master(os.environ.get("MASTER", "local[*]"))
     settings = {
         **sql,
+        **({} if running else tuning),
         # In local mode the driver is also the executor; ignored when the JVM is already running.
         "spark.driver.memory": driver_memory,
         "spark.ui.showConsoleProgress": "false",
