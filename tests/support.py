@@ -27,8 +27,11 @@ from solaris_jobs.dev.spark_connect import SparkConnectServer  # noqa: F401  (th
 
 ML_END = pd.Timestamp("1998-03-01T00:00:00Z")
 ML_START = ML_END - pd.Timedelta(hours=1)
-ML_CFG = PrecomputeConfig(lookback_days=None, active_hours=24 * 14, history_len=10, batch_size=256,
+# A 30-day lookback (as the DAG tests use): the reference computations in the tests read the same window
+# (ML_LOOKBACK_START), not the whole 7-month log.
+ML_CFG = PrecomputeConfig(lookback_days=30, active_hours=24 * 14, history_len=10, batch_size=256,
                           simulator=SimulatorConfig().with_candidates(60))
+ML_LOOKBACK_START = ML_END - pd.Timedelta(days=ML_CFG.lookback_days)
 
 
 def train_tiny_models(root, out, history_len=10, max_train_rows=20_000):

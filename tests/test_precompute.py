@@ -18,7 +18,7 @@ from solaris_jobs.data.requests import RequestSimulator, SimulatorConfig
 from solaris_jobs.pipeline import jobs
 from solaris_jobs.pipeline import precompute as pc
 from solaris_jobs.pipeline.spark import read_events_df
-from tests.support import ML_END, ML_START, assert_same_frames, read_sorted
+from tests.support import ML_END, ML_LOOKBACK_START, ML_START, assert_same_frames, read_sorted
 
 
 def _utc(ts):
@@ -148,8 +148,8 @@ def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_roo
     ae, ae_meta = load_checkpoint(ml_models / "ae.pt", kind="ae")
     assert set(got["model_version"]) == {f"{fm_meta['model_version']}+{ae_meta['model_version']}"}
     assert (got["event_timestamp"].map(_utc) == ML_END).all()
-    # Reference: the training code path over the whole log (it only looks before T).
-    table = ev.read_events(movielens_root)
+    # Reference: the training code path over the lookback's events (it only looks before T).
+    table = ev.read_events(movielens_root, ML_LOOKBACK_START)
     n = len(got)
     ex = Examples(EventIndex(table), got["user_id"].to_numpy(), got["item_id"].to_numpy(),
                   np.full(n, ML_END.value // 1000), np.full(n, -1.0, np.float32), np.zeros(n, np.float32), 10)
@@ -294,7 +294,7 @@ def test_embed_sets_non_finite_fm_outputs_aside_with_a_count(spark, ml_run, movi
     fm, _ = load_checkpoint(models / "fm.pt", kind="fm")
     pairs = sel.loc[sel["selected"], ["user_id", "item_id"]].sort_values(["user_id", "item_id"])
     n = len(pairs)
-    ex = Examples(EventIndex(ev.read_events(movielens_root)), pairs["user_id"].to_numpy(),
+    ex = Examples(EventIndex(ev.read_events(movielens_root, ML_LOOKBACK_START)), pairs["user_id"].to_numpy(),
                   pairs["item_id"].to_numpy(), np.full(n, ML_END.value // 1000), np.full(n, -1.0, np.float32),
                   np.zeros(n, np.float32), 10)
     from models import batch_to_tensors
@@ -370,7 +370,8 @@ def test_active_requery_embeds_and_queries_only_users_with_new_events(spark, ml_
     log = ev.read_events(movielens_root).to_pandas()
     log["event_timestamp"] = pd.to_datetime(log["event_timestamp"], utc=True)
     changed = set(log.user_id[(log.event_timestamp >= ML_END) & (log.event_timestamp < T2)])
-    with_history = set(log.user_id[log.event_timestamp < T2])
+    lookback = T2 - pd.Timedelta(days=job.precompute.lookback_days)      # users with events in T2's lookback
+    with_history = set(log.user_id[(log.event_timestamp >= lookback) & (log.event_timestamp < T2)])
     assert not second["full"] and 0 < second["users_embedded"] == len(changed)
     assert second["users_carried"] == len(with_history - changed) and second["knn"]["queried"] == len(changed)
     got = off.read_table(act.offline, "user_embeddings", T2).to_pandas().set_index("user_id")

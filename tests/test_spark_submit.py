@@ -18,7 +18,7 @@ def test_refresh_under_spark_submit_matches_in_process(ml_run, tmp_path):
     with SparkStandalone(tmp_path / "cluster") as cluster:
         res = cluster.submit("spark_jobs/refresh.py", [
             "--data", s.data, "--offline", str(offline), "--models", s.models,
-            "--start", ML_START.isoformat(), "--end", ML_END.isoformat(), "--lookback-days", "0",
+            "--start", ML_START.isoformat(), "--end", ML_END.isoformat(), "--lookback-days", "30",
             "--active-hours", str(24 * 14), "--history-len", "10", "--batch-size", "256", "--candidates", "60",
             "--stats-out", str(tmp_path / "stats.json")], env={env_var("spark_master"): "local[1]"})
         worker_log = (tmp_path / "cluster" / "worker.log").read_text()

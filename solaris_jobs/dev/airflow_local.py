@@ -185,10 +185,20 @@ class LocalAirflow:
             time.sleep(3)
         raise TimeoutError(f"run {run_id} of {dag_id} still {state} after {timeout:.0f}s")
 
-    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        """``airflow <args>`` against this installation (e.g. ``backfill create --dag-id ...``)."""
-        return subprocess.run([str(Path(sys.executable).parent / "airflow"), *args], env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+    def cli(self, *args: str, timeout: float = 300, attempts: int = 4) -> subprocess.CompletedProcess:
+        """``airflow <args>`` against this installation (e.g. ``backfill create --dag-id ...``).
+
+        SQLite answers "database is locked" at once, whatever the busy timeout, when a transaction that has read
+        wants to write while the scheduler holds the write lock (waiting could deadlock). Airflow rolls such a
+        command back (``backfill create`` deletes its partial backfill for that reason, so that it can be
+        retried), so the command is run again, up to ``attempts`` times; any other failure is returned as is."""
+        for attempt in range(attempts):
+            res = subprocess.run([str(Path(sys.executable).parent / "airflow"), *args], env=self.env(),
+                                 capture_output=True, text=True, timeout=timeout)
+            if res.returncode == 0 or "database is locked" not in res.stdout + res.stderr:
+                return res
+            time.sleep(1 + attempt)
+        return res
 
     def runs(self, dag_id: str, run_type: str | None = None) -> list[dict]:
         q = f"?run_type={run_type}" if run_type else ""
