@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (Debian 12, Python 3.11, root or sudo for apt):
 #   make demo   the main job (MovieLens-100K, embedded defaults)
-#   make test   the whole test suite (installs redis-server and Java 17 if missing, and the S3 test server)
+#   make test   the whole test suite (installs redis-server, Java 17, chromium and its driver if missing, and the
+#               S3 test server)
 # A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change.
 PYTHON ?= python3.11
 VENV := .venv
@@ -40,6 +41,8 @@ sysdeps:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q redis-server; }
 	@ls /usr/lib/jvm/java-17-openjdk-*/bin/java >/dev/null 2>&1 || \
 		{ apt-get update -q && apt-get install -y -q openjdk-17-jre-headless; }
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
+		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 
 demo: $(STAMP) sysdeps
 	$(BIN)/solaris demo --workdir artifacts/demo

@@ -14,7 +14,15 @@ table lists them all) and passed whole to the Spark steps, in-process or as `--s
 DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,
 `SOLARIS_SPARK_CONN_ID` (Spark steps through `SparkSubmitOperator` instead of in-process),
 `SOLARIS_REDIS_CONN_ID` (the Redis online store from an Airflow connection instead of `SOLARIS_REDIS`),
-`SOLARIS_FM_QUEUE` / `SOLARIS_FM_POOL` (send FM inference to GPU workers).
+`SOLARIS_FM_QUEUE` / `SOLARIS_FM_POOL` (send FM inference to GPU workers), `SOLARIS_OWNER` (the owner shown here).
+
+**What a run did**: each task's Asset Events tab (and this DAG's Overview, and each asset's page) shows its step's
+numbers as the event's extra: pairs considered / excluded / selected, pairs embedded and FM pairs/s, users
+aggregated, users with neighbours, rows written per view, coverage per tier and the features' age. A task's XCom
+`return_value` holds the step's full stats; `solaris status` lists the last intervals from the stores alone.
+
+**When a task fails**: its doc (Details tab) says which setting to check and how to rerun it; clearing a task and
+its downstream reruns the interval from there, and a rerun replaces the interval's outputs whole.
 """
 from __future__ import annotations
 
@@ -43,25 +51,51 @@ def _asset(name: str) -> Asset:
 ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "neighbours", "reports")}
 ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v1", group="solaris")
 
+OWNER = os.environ.get("SOLARIS_OWNER", "solaris")
+RERUN = ("\n\n**Rerun** the interval once fixed: clear this task (and its downstream) in the UI, or "
+         "`solaris {cmd} --start <data_interval_start> --end <data_interval_end>` from a worker's environment; "
+         "a rerun replaces the interval's outputs whole (nothing half-written is served). "
+         "**Its numbers**: the asset event this task emits (run page, Asset Events) and its XCom `return_value`.")
 DOCS = {
     "validate": "Reads the interval's events (hour partitions of the event log), counts them and the rows that "
                 "break the contract (per reason; selection sets them aside). Fails on a missing or malformed log "
                 "or when more than `SOLARIS_MAX_BAD_SHARE` (0.05) of the rows are bad. An empty hour is allowed "
-                "(the refresh still runs on the earlier log).",
+                "(the refresh still runs on the earlier log).\n\n**If it fails**: the log names the file, "
+                "column and count. Fix the upstream log (or raise `SOLARIS_MAX_BAD_SHARE` if the share is "
+                "expected) and clear the task; `SOLARIS_DATA` must point at the event log root.",
     "drain_misses": "Moves the Redis miss stream (pairs the ranker asked for without a fresh embedding) into "
-                    "`<offline>/misses/`, where selection forces them in. Nothing to do with SQLite.",
+                    "`<offline>/misses/`, where selection forces them in. Nothing to do with SQLite.\n\n"
+                    "**If it fails**: Redis is unreachable or refused the login: check `SOLARIS_REDIS` or the "
+                    "connection `SOLARIS_REDIS_CONN_ID` names; undrained misses stay in the stream for the next "
+                    "run.",
     "select": "Active users and their simulated candidates, negative exclusion, VM verifier scores, top share "
-              "selected. Output: offline `selection`.",
+              "selected. Output: offline `selection`.\n\n**If it fails**: a missing `vm.pt` or a "
+              "`history_len` that is not the models' (`SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`), Spark out of "
+              "memory (`SOLARIS_SPARK_DRIVER_MEMORY`, or the cluster's executors), or another run holding the "
+              "interval's lease (wait for it, or `SOLARIS_LEASE_MINUTES`)." + RERUN.format(cmd="select"),
     "embed": "Batched FM + autoencoder inference on the selected pairs (GPU pool/queue when configured). "
-             "Output: offline `pair_embeddings` (non-finite outputs set aside in `embedding_rejects`, counted).",
-    "aggregate": "Mean pair embedding per user over the trailing 24 h. Output: offline `user_aggregates`.",
+             "Output: offline `pair_embeddings` (non-finite outputs set aside in `embedding_rejects`, counted)."
+             "\n\n**If it fails**: `fm.pt`/`ae.pt` missing or of another FM (the message names the file), or "
+             "memory: lower `batch_size` in `SOLARIS_PRECOMPUTE`." + RERUN.format(cmd="embed"),
+    "aggregate": "Mean pair embedding per user over the trailing 24 h. Output: offline `user_aggregates`.\n\n"
+                 "**If it fails**: it needs this interval's complete `pair_embeddings`: rerun `embed` first."
+                 + RERUN.format(cmd="aggregate"),
     "neighbours": "FM user embeddings, FAISS top-k, neighbour embeddings. Outputs: `user_embeddings`, "
-                  "`neighbours`.",
+                  "`neighbours`.\n\n**If it fails**: it needs this interval's `user_aggregates`; driver memory "
+                  "holds the FAISS index (1M users x 128 floats = 512 MB): raise `SOLARIS_SPARK_DRIVER_MEMORY`."
+                  + RERUN.format(cmd="neighbours"),
     "materialize": "Writes the interval's three views into the online store (Feast layout, per-view expiry). "
-                   "Fails the task on any store error; only complete intervals are recorded.",
+                   "Fails the task on any store error; only complete intervals are recorded.\n\n**If it "
+                   "fails**: a Spark step before it failed (fix that one first), or the store refused the writes "
+                   "(`FEAST_FS_YAML_FILE_PATH`, `SOLARIS_REDIS`). Clearing it rewrites the interval; or `solaris "
+                   "materialize --start <data_interval_start> --end <data_interval_end>`. Its asset event gives "
+                   "the rows written per view.",
     "report": "Coverage of the interval's logged requests as the serving client resolved them from the online "
               "store the interval found (pair, aggregate, neighbour, none; TTL and model version applied), before "
-              "this refresh's features are written, and freshness; `<offline>/reports/end=.../report.json`.",
+              "this refresh's features are written, and freshness; `<offline>/reports/end=.../report.json`. "
+              "Coverage per tier and the features' age are on its asset event.\n\n**If it fails**: diagnostic "
+              "only: materialize still runs (trigger rule `all_done`). Usually the online store was unreachable "
+              "or `SOLARIS_MODELS` has no `fm.pt`/`ae.pt`.",
 }
 
 
@@ -70,13 +104,32 @@ def _settings():
     return Settings.from_env()
 
 
+def _announce(step: str, stats: dict, ctx) -> None:
+    """The step's headline numbers (``run_summary.step_summary``) as the extra of every asset event the task emits:
+    what an operator sees on the run's and the asset's pages without opening a log."""
+    from solaris_jobs.flows.run_summary import step_summary
+    extra = step_summary(step, stats)
+    for asset in ctx["task"].outlets:
+        ctx["outlet_events"][asset].extra = extra
+
+
 def _run(step: str) -> dict:
     from solaris_jobs.flows import refresh_steps as o
     ctx = get_current_context()
     _redis_connection()
     # The run id owns the interval's lease for the run's steps: another run of the same interval (a backfill beside
     # the schedule) stops with a clear error instead of mixing its outputs with this one's.
-    return o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"], owner=ctx["run_id"])
+    stats = o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"], owner=ctx["run_id"])
+    _announce(step, stats, ctx)
+    return stats
+
+
+def _announce_published(step: str):
+    """For a step run by spark-submit (another process): its published stats, read back after it, announced."""
+    def post_execute(context, result=None):
+        from solaris_jobs.flows import refresh_steps as o
+        _announce(step, o.published_stats(_settings(), step, context["data_interval_end"]), context)
+    return post_execute
 
 
 def _settings_json() -> str:
@@ -92,7 +145,7 @@ def _spark_submit(step: str, script: str, **kwargs):
     # spark-submit inherits the task's environment: the driver takes the interval's lease in the same store.
     return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
                                application_args=args, doc_md=DOCS[step], on_execute_callback=_redis_connection,
-                               **kwargs)
+                               post_execute=_announce_published(step), **kwargs)
 
 
 with DAG(
@@ -102,7 +155,7 @@ with DAG(
     end_date=datetime.fromisoformat(os.environ["SOLARIS_END_DATE"]) if os.environ.get("SOLARIS_END_DATE") else None,
     catchup=os.environ.get("SOLARIS_CATCHUP", "false").lower() == "true",
     max_active_runs=1,
-    default_args={"retries": int(os.environ.get("SOLARIS_RETRIES", "2")),
+    default_args={"owner": OWNER, "retries": int(os.environ.get("SOLARIS_RETRIES", "2")),
                   "retry_delay": timedelta(minutes=float(os.environ.get("SOLARIS_RETRY_MINUTES", "5"))),
                   "retry_exponential_backoff": True,
                   "execution_timeout": timedelta(hours=2),

@@ -20,9 +20,18 @@ from __future__ import annotations
 import os
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG, CronTriggerTimetable, get_current_context, task
+from airflow.sdk import DAG, Asset, CronTriggerTimetable, get_current_context, task
 
 CRON = os.environ.get("SOLARIS_TRAIN_CRON", "0 3 * * 0")
+OWNER = os.environ.get("SOLARIS_OWNER", "solaris")
+KINDS = ("fm", "ae", "vm", "vm_transfer")
+# The published model version (its event's extra: the version, its embedding version and every model's metrics)
+# and the online store the re-embedding rewrites (the refresh DAG's asset of the same name).
+MODELS = Asset(name="solaris_models", uri="solaris://model-registry/current", group="solaris")
+ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v1", group="solaris")
+RERUN = ("\n\n**If it fails**: the log names the file or setting (`SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY`, "
+         "`SOLARIS_TRAIN`); `current` is switched only by `publish`, so the refresh keeps serving the last good "
+         "version meanwhile. Clear the task to retry it; its metrics are its XCom `return_value`.")
 
 with DAG(
     dag_id="solaris_train",
@@ -30,7 +39,8 @@ with DAG(
     start_date=datetime.fromisoformat(os.environ.get("SOLARIS_START_DATE", "2026-01-01T00:00:00+00:00")),
     catchup=False,
     max_active_runs=1,
-    default_args={"retries": int(os.environ.get("SOLARIS_RETRIES", "1")), "retry_delay": timedelta(minutes=10),
+    default_args={"owner": OWNER, "retries": int(os.environ.get("SOLARIS_RETRIES", "1")),
+                  "retry_delay": timedelta(minutes=10),
                   "execution_timeout": timedelta(hours=12)},
     tags=["solaris", "training"],
     doc_md=__doc__,
@@ -48,7 +58,7 @@ with DAG(
         from solaris_jobs.flows import training_steps as t
         return t.train(kind, _version_dir())
 
-    trains = [task(task_id=f"train_{kind}", doc_md=doc)(_train)(kind) for kind, doc in (
+    trains = [task(task_id=f"train_{kind}", doc_md=doc + RERUN)(_train)(kind) for kind, doc in (
         ("fm", "Trains the foundation model (sequence model, label + rating heads). Output: fm.pt."),
         ("ae", "Trains the autoencoder on the new FM's interaction embeddings. Output: ae.pt."),
         ("vm", "Trains the verifier VM (no FM input), used by candidate selection. Output: vm.pt."),
@@ -56,18 +66,38 @@ with DAG(
                         "serving client over the log's last `served_hours` with the new models, then the all-tiers "
                         "VM on those rows. Output: vm_transfer.pt (and the replay under served/)."))]
 
-    @task(doc_md="Checks the four checkpoints belong together and switches `current` to them atomically.")
+    @task(doc_md="Checks the four checkpoints belong together and switches `current` to them atomically. Its "
+                 "asset event (`solaris_models`) carries the new version and every model's test metrics.\n\n"
+                 "**If it fails**: a checkpoint is missing, truncated or of another FM (the message names the "
+                 "file); `current` still points at the previous version. Retrain (clear the train task named).",
+          outlets=[MODELS])
     def publish() -> dict:
         from solaris_jobs.flows import training_steps as t
-        return t.publish(_version_dir())
+        from solaris_jobs.flows.run_summary import training_summary
+        ctx = get_current_context()
+        out = t.publish(_version_dir())
+        extra = {"version": os.path.basename(out["current"]), "embedding_version": out["embedding_version"]}
+        for kind in KINDS:
+            metrics = ctx["ti"].xcom_pull(task_ids=f"train_{kind}") or {}
+            extra.update({f"{kind}_{k}": v for k, v in training_summary(kind, metrics).items() if k != "model"})
+        ctx["outlet_events"][MODELS].extra = extra
+        return out
 
     @task(doc_md="Re-embeds the latest refreshed interval with the new models (FM inference, aggregates, "
-                 "neighbours) and materializes it: the online store holds the new version.")
+                 "neighbours) and materializes it: the online store holds the new version.\n\n**If it fails**: "
+                 "the new version is published already; the next refresh embeds with it anyway. Check the "
+                 "online store (`SOLARIS_REDIS`) and clear the task.", outlets=[ONLINE])
     def reembed() -> dict:
         from solaris_jobs.flows import training_steps as t
+        from solaris_jobs.flows.run_summary import step_summary
         from solaris_jobs.online.store_config import use_airflow_connection
         use_airflow_connection(os.environ.get("SOLARIS_REDIS_CONN_ID"))       # the online store, if on Redis
-        return t.reembed_latest()
+        out = t.reembed_latest()
+        if "materialize" in out:
+            get_current_context()["outlet_events"][ONLINE].extra = {
+                **step_summary("materialize", out["materialize"]), "model_version": out["embed"]["model_version"],
+                "pairs_reembedded": out["embed"]["pairs"]}
+        return out
 
     chain = prepare()
     for t in trains:

@@ -207,6 +207,87 @@ class RedisServer(_Server):
         return self
 
 
+# ------------------------------------------------------------------------------------------------ Feast, browser
+
+FEATURE_REPO = Path(__file__).resolve().parent.parent / "feature_repo"
+
+
+def feast_repo(workdir: Path, env: dict) -> tuple[Path, dict, callable]:
+    """A copy of the project's Feast repo under ``workdir`` (its own SQLite registry and online store), ``feast
+    apply``-ed with ``env`` on top of the environment: (repo, the environment, ``feast(*args)`` running the stock
+    CLI there)."""
+    repo = Path(workdir) / "repo"
+    shutil.copytree(FEATURE_REPO, repo, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    full = {**os.environ, "PYTHONPATH": str(FEATURE_REPO.parent), **env}
+    full.pop("FEAST_FS_YAML_FILE_PATH", None)
+    exe = [str(Path(sys.executable).parent / "feast"), "--chdir", str(repo)]
+
+    def feast(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([*exe, *args], env=full, capture_output=True, text=True, timeout=timeout)
+    res = feast("apply")
+    if res.returncode != 0:
+        raise RuntimeError(f"feast apply failed:\n{res.stderr[-3000:]}")
+    return repo, full, feast
+
+
+class FeastUI(_Server):
+    """``feast ui`` (the stock Feast web UI) over a repo, on 127.0.0.1 and a free port."""
+
+    def __init__(self, repo: Path, env: dict):
+        self.repo, self.env, self.port = Path(repo), env, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FeastUI":
+        import urllib.request
+        log = self.repo / "feast-ui.log"
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "feast"), "--chdir", str(self.repo), "ui",
+                                      "-h", "127.0.0.1", "-p", str(self.port)], env=self.env,
+                                     stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+        def up():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"feast ui exited:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+        _wait_for(up, 120, "feast ui", log)
+        return self
+
+
+def headless_chromium(width: int = 1400, height: int = 900):
+    """Debian's chromium through its chromedriver (Selenium), headless. Raises, not skips, when either is missing
+    (``make sysdeps`` installs them)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if browser is None or driver is None:
+        raise RuntimeError("chromium and chromedriver are needed for the browser test (make sysdeps, or apt-get "
+                           "install chromium chromium-driver)")
+    opts = webdriver.ChromeOptions()
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+              f"--window-size={width},{height}"):
+        opts.add_argument(a)
+    opts.binary_location = browser
+    return webdriver.Chrome(options=opts, service=Service(driver))
+
+
+def wait_for_text(browser, needles, timeout: float = 60, until=None) -> str:
+    """The page's visible text once it contains every one of ``needles`` (a single-page app renders late);
+    ``until()`` is called between looks (e.g. to unfold what rendered folded); raises with what it shows instead."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = browser.find_element("tag name", "body").text
+        if all(n in text for n in needles):
+            return text
+        if until is not None:
+            until()
+        time.sleep(0.5)
+    missing = [n for n in needles if n not in text]
+    raise AssertionError(f"{browser.current_url} never showed {missing}; it shows:\n{text[:3000]}")
+
 
 def self_signed_cert(folder: Path) -> None:
     """``cert.pem`` and ``key.pem`` in ``folder``: a one-day self-signed certificate for 127.0.0.1 (made with

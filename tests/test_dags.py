@@ -22,9 +22,9 @@ HEAVY = ("torch", "pyspark", "feast", "pandas", "solaris_jobs", "faiss", "redis"
 
 
 def _precompute_json() -> str:
-    # Users active in the last 2 days (ML_CFG's 2 weeks selects ~6x the pairs) and a 30-day lookback (ML_CFG reads
-    # the whole 7-month log): an interval takes about half the time, and the DAG tests run about 20 of them.
-    return json.dumps({"lookback_days": 30, "active_hours": 48,
+    # Users active in the last 2 days (ML_CFG's 2 weeks selects ~6x the pairs): an interval takes about half the
+    # time, and the DAG tests run about 20 of them.
+    return json.dumps({"lookback_days": ML_CFG.lookback_days, "active_hours": 48,
                        "history_len": ML_CFG.history_len, "batch_size": ML_CFG.batch_size,
                        "simulator": {"n_candidates": ML_CFG.simulator.n_candidates,
                                      "n_popular": ML_CFG.simulator.n_popular}})
@@ -140,7 +140,33 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
     f = reader.read(user, mine.item_id.to_numpy(), end + HOUR)
     assert set(f.tier_names()) == {"pair"}
     reader.close()
+    # What the run page shows without a log: each output's asset event carries its step's numbers (those the step
+    # published offline), and the tasks name the deployment's owner.
+    extras = _asset_extras(run.run_id)
+    sel = off.read_stats(offline, "selection", end)
+    assert extras["solaris_selection"]["pairs_selected"] == sel["pairs_selected"] > 0
+    assert extras["solaris_selection"]["pairs_considered"] == sel["pairs_considered"]
+    assert extras["solaris_pair_embeddings"]["pairs"] == off.read_stats(offline, "pair_embeddings", end)["pairs"]
+    assert extras["solaris_pair_embeddings"]["model_pairs_per_s"] > 0
+    rep = extras["solaris_reports"]
+    assert rep["events"] == report["events"] and rep["requests"] == report["requests"]
+    assert [rep[f"coverage_{t}"] for t in report["coverage"]] == [None if v is None else round(v, 4)
+                                                                  for v in report["coverage"].values()]
+    written = extras["solaris_online_store"]
+    assert written["interval_end"] == end.isoformat() and written["pair_embeddings_written"] > 0
+    assert {"solaris_user_aggregates", "solaris_neighbours"} <= set(extras)
+    assert {t.owner for t in dag.tasks} == {"solaris"}
     return dag
+
+
+def _asset_extras(run_id: str) -> dict:
+    """{asset name: extra} of the asset events a DAG run emitted (from Airflow's metadata DB)."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+    with create_session() as session:
+        events = session.scalars(select(AssetEvent).where(AssetEvent.source_run_id == run_id)).all()
+        return {e.asset.name: dict(e.extra) for e in events}
 
 
 def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, spark, tmp_path, monkeypatch):
@@ -175,11 +201,11 @@ def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, s
     assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
 
 
-def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(airflow_env, spark, tmp_path,
-                                                                                monkeypatch):
-    """dag.test() end to end into the SQLite online store for the first of 3 intervals; then `solaris backfill`
-    over the 3 skips the one dag.test() completed and runs the other two; again with --force: identical
-    online-store contents (an interval builds on the ones before it, so the order is the same both times)."""
+def test_refresh_dag_test_sqlite_then_backfill_two_intervals_twice_identical(airflow_env, spark, tmp_path,
+                                                                              monkeypatch):
+    """dag.test() end to end into the SQLite online store for the first of 2 intervals; then `solaris backfill`
+    over the 2 skips the one dag.test() completed and runs the other; again with --force: identical online-store
+    contents (an interval builds on the one before it, so the order is the same both times)."""
     from click.testing import CliRunner
 
     from solaris_jobs.flows import refresh_steps as o
@@ -188,27 +214,148 @@ def test_refresh_dag_test_sqlite_then_backfill_three_intervals_twice_identical(a
     monkeypatch.setenv("SOLARIS_OFFLINE", str(offline))
     yaml_path = _sqlite_yaml(tmp_path)
     monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
-    start = ML_END - 3 * HOUR
+    start = ML_END - 2 * HOUR
     _run_dag_test(offline, yaml_path, start + HOUR)
     s = Settings.from_env()
     first = o.backfill(s, start, ML_END)
-    assert [r["status"] for r in first] == ["skipped", "done", "done"]
-    assert [r["interval_end"] for r in first] == [(start + k * HOUR).isoformat() for k in (1, 2, 3)]
+    assert [r["status"] for r in first] == ["skipped", "done"]
+    assert [r["interval_end"] for r in first] == [(start + k * HOUR).isoformat() for k in (1, 2)]
     before = _dump_sqlite(tmp_path / "online.db")
     assert before and all(rows for rows in before.values())
     again = o.backfill(s, start, ML_END, force=True)
-    assert [r["status"] for r in again] == ["done"] * 3
+    assert [r["status"] for r in again] == ["done"] * 2
     assert _dump_sqlite(tmp_path / "online.db") == before
     # Without --force every interval is complete and skipped; a missing output makes its interval run again.
     res = CliRunner().invoke(main, ["backfill", "--start", start.isoformat(), "--end", ML_END.isoformat()])
     assert res.exit_code == 0, res.output
-    assert [r["status"] for r in json.loads(res.stdout)] == ["skipped"] * 3
+    assert [r["status"] for r in json.loads(res.stdout)] == ["skipped"] * 2
     import shutil
     from solaris_jobs.core import offline as off
-    shutil.rmtree(off.interval_uri(offline, "neighbours", start + 2 * HOUR))
+    shutil.rmtree(off.interval_uri(offline, "neighbours", start + HOUR))
     out = o.backfill(s, start, ML_END)
-    assert [r["status"] for r in out] == ["skipped", "done", "skipped"]
+    assert [r["status"] for r in out] == ["done", "skipped"]
     assert _dump_sqlite(tmp_path / "online.db") == before
+
+
+SCREENSHOTS = ROOT / "artifacts" / "screenshots"     # the browser test's artefacts (git-ignored)
+
+
+def _finished_refresh_run(tmp_path, monkeypatch) -> str:
+    """The id of a successful solaris_refresh run in this module's metadata DB: one an earlier test made with
+    dag.test() (the SQLite test above), else one made now."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+    with create_session() as session:
+        runs = session.scalars(select(DagRun.run_id).where(DagRun.dag_id == "solaris_refresh",
+                                                           DagRun.state == "success")).all()
+    if runs:
+        return runs[-1]
+    monkeypatch.setenv("SOLARIS_OFFLINE", str(tmp_path / "offline"))
+    yaml_path = _sqlite_yaml(tmp_path)
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
+    _run_dag_test(tmp_path / "offline", yaml_path)
+    return _finished_refresh_run(tmp_path, monkeypatch)
+
+
+def test_operator_screens_in_a_real_browser(airflow_env, tmp_path, monkeypatch):
+    """What an operator sees, rendered by headless Chromium (Debian's chromium + chromedriver, Selenium): the
+    Airflow UI (its API server on a free loopback port, over this module's metadata DB with a finished refresh
+    run) shows the refresh DAG's graph with all its tasks and its owner, the run with every task's state, and the
+    asset events the tasks emitted with their step's numbers; `feast ui` over the project's repo (and Feast's CLI)
+    lists the three feature views, each with its TTL (an override shows), owner and version policy; the evaluation report (report.html, rendered from the committed
+    benchmarks/results/evaluation_synth.json) loads every plot. Screenshots under artifacts/screenshots/."""
+    import shutil
+
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    from solaris_jobs.dev.airflow_local import LocalAirflow
+    from solaris_jobs.evaluation import report
+    from tests.support import FeastUI, feast_repo, headless_chromium, wait_for_text
+    run_id = _finished_refresh_run(tmp_path, monkeypatch)
+    extras = _asset_extras(run_id)
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    SCREENSHOTS.mkdir(parents=True)
+    tasks = ["validate", "drain_misses", "select", "embed", "aggregate", "neighbours", "report", "materialize"]
+    # Feast's own CLI first (`feast apply`, `feature-views list`, `registry-dump`): every entity, view and the
+    # FeatureService carry a description and the deployment's owner; each view's tags give its tier, its TTL as
+    # configured (an override shows) and the model-version policy.
+    ttls = {"pair_embeddings": "90min", "user_aggregates": "24h", "neighbours": "24h"}
+    repo, feast_env, feast = feast_repo(tmp_path / "feast", {"SOLARIS_OWNER": "ml-platform@example.com",
+                                                             "SOLARIS_TTL_PAIR_EMBEDDINGS": "90min"})
+    listed, registry = feast("feature-views", "list").stdout, json.loads(feast("registry-dump").stdout)
+    views = {v["spec"]["name"]: v["spec"] for v in registry["featureViews"]}
+    assert set(views) == set(ttls)
+    for name, tier in (("pair_embeddings", "pair"), ("user_aggregates", "user_aggregate"), ("neighbours", "neighbour")):
+        spec = views[name]
+        assert name in listed and spec["owner"] == "ml-platform@example.com" and f"TTL {ttls[name]}" in spec[
+            "description"]
+        assert spec["tags"]["tier"] == tier and spec["tags"]["ttl"] == ttls[name], spec["tags"]
+        assert "pinned version" in spec["tags"]["model_version_policy"]
+    [service] = [f["spec"] for f in registry["featureServices"]]
+    assert service["name"] == "solaris_v1" and service["owner"] == "ml-platform@example.com"
+    assert "pair_embeddings 90min" in service["tags"]["ttls"] and service["description"]
+    entities = {e["spec"]["name"]: e["spec"] for e in registry["entities"]}
+    assert all(entities[e]["owner"] == "ml-platform@example.com" and entities[e]["description"]
+               for e in ("user", "item"))
+    rep = report.write(json.loads((ROOT / "benchmarks" / "results" / "evaluation_synth.json").read_text()),
+                       tmp_path / "report").with_suffix(".html")
+    with LocalAirflow(airflow_env["AIRFLOW_HOME"], services=("api-server",)) as af, FeastUI(repo, feast_env) as ui:
+        browser = headless_chromium()
+        try:
+            shot = lambda name: browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+            browser.get(af.url + "/")
+            browser.add_cookie({"name": "_token", "value": af.token(), "path": "/"})     # logged in as admin
+            # The DAG: its owner, and its graph with every task.
+            browser.get(f"{af.url}/dags/solaris_refresh")
+            wait_for_text(browser, ["Owner", "solaris", "Created Asset Events"])
+            browser.find_element("css selector", "button[aria-label^='Show Graph']").click()
+            wait_for_text(browser, tasks)
+            nodes = {e.text.split("\n")[0] for e in browser.find_elements("css selector", ".react-flow__node")}
+            assert set(tasks) <= nodes, nodes
+            shot("airflow_graph")
+            # The run: every task succeeded.
+            browser.get(f"{af.url}/dags/solaris_refresh/runs/{run_id}")
+            text = wait_for_text(browser, ["8 Task Instances", "Success", *tasks])
+            assert "Failed" not in text
+            shot("airflow_run")
+            # Each step's asset event, its extra unfolded: the numbers the step published.
+            for task, asset, keys in (("select", "solaris_selection", ("pairs_considered", "pairs_selected")),
+                                      ("embed", "solaris_pair_embeddings", ("pairs", "model_pairs_per_s")),
+                                      ("report", "solaris_reports", ("requests", "coverage_none")),
+                                      ("materialize", "solaris_online_store", ("pair_embeddings_written",))):
+                browser.get(f"{af.url}/dags/solaris_refresh/runs/{run_id}/tasks/{task}/asset_events")
+                wait_for_text(browser, ["1 Asset Event", asset])
+                js = lambda v: json.dumps(int(v) if isinstance(v, float) and v.is_integer() else v)   # JSON.stringify
+                shown = wait_for_text(browser, [f'"{k}": {js(extras[asset][k])}' for k in keys],
+                                      until=lambda: [ActionChains(browser).move_to_element(f).click().perform()
+                                                     for f in browser.find_elements(
+                                                         "css selector", ".codicon-folding-collapsed")])
+                assert f'"step": "{task}"' in shown
+                if task == "select":
+                    shot("airflow_asset_event")
+            # Feast: the three views, each with its TTL tag and owner.
+            browser.get(f"{ui.url}/p/solaris/feature-view")
+            wait_for_text(browser, ["Feature Views", "pair_embeddings", "user_aggregates", "neighbours"])
+            shot("feast_views")
+            for view, ttl in ttls.items():
+                browser.get(f"{ui.url}/p/solaris/feature-view/{view}")
+                text = wait_for_text(browser, ["model_version_policy", "ml-platform@example.com", f"TTL {ttl}"])
+                assert f"\nttl\n{ttl}\n" in text, text
+                if view == "pair_embeddings":
+                    shot("feast_pair_embeddings")
+            # The report: one page, every plot decoded and drawn.
+            browser.get(rep.as_uri())
+            wait_for_text(browser, ["Targets", "VM + SOLARIS, all tiers"])
+            sizes = browser.execute_script(
+                "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+            assert len(sizes) >= 4 and all(c and w > 100 and h > 100 for c, w, h in sizes), sizes
+            browser.execute_script("document.images[0].scrollIntoView()")
+            shot("report")
+        finally:
+            browser.quit()
+    assert all((SCREENSHOTS / f"{n}.png").stat().st_size > 10_000 for n in (
+        "airflow_graph", "airflow_run", "airflow_asset_event", "feast_views", "feast_pair_embeddings", "report"))
 
 
 def test_two_runs_of_one_interval_started_at_once_one_refused_the_other_complete(airflow_env, spark, tmp_path,

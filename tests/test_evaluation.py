@@ -262,6 +262,13 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert "## Targets" in md and "VM + SOLARIS, all tiers" in md
     for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png"):
         assert (out / png).stat().st_size > 5_000 and f"]({png})" in md
+    # report.html is the same report on one page: its tables rendered, every plot inline (the PNG's own bytes).
+    import base64
+    import re
+    page = (out / "report.html").read_text()
+    inline = [base64.b64decode(b) for b in re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)]
+    assert sorted(inline) == sorted((out / f).read_bytes() for f in re.findall(r"\]\(([^)]+\.png)\)", md))
+    assert len(inline) >= 4 and "<table>" in page and "VM + SOLARIS, all tiers" in page and "src=\"http" not in page
     # The budget curve and the slower cadence are in the report, each with its measured cost.
     cu = report["per_seed"][0]["curves"]
     assert [p["budget_per_row"] for p in cu["budget"]] == [0.5, 1.0]

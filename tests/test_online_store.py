@@ -218,6 +218,56 @@ def store(request, ml_run, tmp_path, redis_server):
     return _store(request.param, ml_run[0], tmp_path, redis_server)
 
 
+def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(ml_run, store, tmp_path):
+    """`solaris status` on the refreshed and materialized interval: every step done with its numbers, the keys
+    per view the store holds (SQLite counted, Redis scanned), its age on the given clock, the serving client's
+    metrics from its Prometheus text; an interval whose neighbours output is gone shows that step missing."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from solaris_jobs.flows.cli import main
+    job, stats = ml_run
+    off = _offline(job)
+    pairs = off["pair_embeddings"]
+    reader = FeatureReader(store, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+    user = int(pairs.user_id.iloc[0])
+    reader.read(user, np.array([*pairs[pairs.user_id == user].item_id, 10**6]), ML_END + HOUR)
+    reader.close()
+    prom = tmp_path / "metrics.prom"
+    prom.write_text(reader.metrics.prometheus())
+    offline = tmp_path / "offline_status"
+    shutil.copytree(job.offline, offline)
+    args = ["status", "--offline", str(offline), "--feature-repo", str(REPO), "--now",
+            (ML_END + 2 * HOUR).isoformat(), "--metrics", str(prom)]
+    env = {"FEAST_FS_YAML_FILE_PATH": str(store.yaml_path)}
+    res = CliRunner().invoke(main, [*args, "--json"], env=env)
+    assert res.exit_code == 0, res.output
+    st = json.loads(res.stdout)
+    [row] = st["intervals"]
+    assert row["interval_end"] == ML_END.isoformat() and row["complete"] and row["lease"] is None
+    steps = row["steps"]
+    assert steps["select"]["pairs_selected"] == stats["select"]["pairs_selected"] == len(pairs)
+    assert steps["embed"]["pairs"] == len(pairs) and steps["embed"]["state"] == "done"
+    assert steps["materialize"]["pair_embeddings_written"] == len(pairs)
+    assert steps["report"] == {"state": "missing"}          # the report step was not run on this interval
+    assert st["online"]["latest_materialized_end"] == ML_END.isoformat() and st["online"]["age_hours"] == 2.0
+    assert st["online"]["keys"] == {"pair_embeddings": len(pairs),
+                                    "user_aggregates": off["user_aggregates"].user_id.nunique(),
+                                    "neighbours": off["neighbours"].user_id.nunique()}
+    served = st["serving"]
+    assert served["solaris_serving_rows_total"] == (pairs.user_id == user).sum() + 1, served
+    assert served["solaris_serving_tier_pair_total"] == (pairs.user_id == user).sum()
+    # The readable table, and an interval whose neighbours output is gone: that step is missing.
+    shutil.rmtree(layout.interval_uri(str(offline), "neighbours", ML_END))
+    res = CliRunner().invoke(main, args, env=env)
+    assert res.exit_code == 0, res.output
+    header, line = [x for x in res.stdout.splitlines() if x.startswith(("interval end", ML_END.isoformat()))]
+    assert "cov pair" in header and line.split()[1:5] == [str(len(pairs)), str(len(pairs)),
+                                                           str(stats["aggregate"]["users"]), "MISSING"]
+    assert f"pair_embeddings {len(pairs):,}" in res.stdout and "solaris_serving_rows_total" in res.stdout
+
+
 def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_server, tmp_path):
     job, _ = ml_run
     off = _offline(job)

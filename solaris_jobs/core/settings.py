@@ -435,6 +435,13 @@ def feast_offline_root(env=None) -> str:
     return env.get("SOLARIS_OFFLINE") or str(PROJECT_ROOT / "artifacts" / "demo" / "offline")
 
 
+def owner(env=None) -> str:
+    """Who runs this deployment (a team, an address): ``SOLARIS_OWNER``, else ``solaris``. The DAGs' owner and the
+    owner of every Feast entity, view and FeatureService, so the Airflow and Feast UIs say whom to ask."""
+    env = os.environ if env is None else env
+    return env.get("SOLARIS_OWNER") or "solaris"
+
+
 def cache_dir(env=None) -> Path:
     """Download cache (MovieLens): ``SOLARIS_CACHE``, else ``~/.cache/solaris``."""
     env = os.environ if env is None else env
@@ -455,6 +462,7 @@ DAG_ENV = {          # their defaults are in the DAG files (and the README)
     "SOLARIS_CATCHUP": "run missed intervals on start",
     "SOLARIS_RETRIES": "task retries",
     "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off",
+    "SOLARIS_OWNER": "the DAGs' owner (also the Feast objects', read by `owner()`)",
     SPARK_CONN_ENV: "when set, the four Spark steps become SparkSubmitOperators on that connection",
     REDIS_CONN_ENV: "Airflow connection (type redis) the tasks build `SOLARIS_REDIS` from: host, port, login, "
                     "password, schema as the db number, extras as further parameters (`ssl`, `ssl_ca_certs`, ...)",

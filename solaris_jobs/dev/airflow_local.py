@@ -34,12 +34,20 @@ DAGS = PROJECT_ROOT / "dags"
 # up to 30 s for another process's write lock instead of the default 5 s, so that the CLI (`airflow backfill
 # create`) and the API server do not fail with "database is locked" while the scheduler writes.
 SQLITE_CONNECT_ARGS = {"timeout": 30}
+# The services `start` runs (each its own process); an API server alone shows an existing metadata DB (runs made by
+# dag.test(), say) in the UI and the REST API without scheduling anything.
+SERVICES = ("api-server", "scheduler", "dag-processor", "triggerer")
 
 
 class LocalAirflow:
     def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
                  user: str = "admin", password: str | None = None, parallelism: int = 4,
-                 spark_connect: bool = False, dags_folder: str | os.PathLike | None = None):
+                 spark_connect: bool = False, dags_folder: str | os.PathLike | None = None,
+                 services: tuple[str, ...] = SERVICES):
+        unknown = set(services) - set(SERVICES)
+        if unknown or "api-server" not in services:
+            raise ValueError(f"services must include api-server and be among {SERVICES}, not {sorted(unknown)}")
+        self.services = tuple(services)
         self.home = Path(home).resolve()
         self.dags_folder = Path(dags_folder).resolve() if dags_folder else DAGS
         self.port = port or free_port()
@@ -119,10 +127,13 @@ class LocalAirflow:
         res = self.cli("db", "migrate", timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-        self._spawn("api-server", ["api-server", "--host", "127.0.0.1", "--port", str(self.port)])
-        self._spawn("scheduler", ["scheduler", "--skip-serve-logs"])
-        self._spawn("dag-processor", ["dag-processor"])
-        self._spawn("triggerer", ["triggerer", "--skip-serve-logs"])
+        args = {"api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.port)],
+                "scheduler": ["scheduler", "--skip-serve-logs"], "dag-processor": ["dag-processor"],
+                "triggerer": ["triggerer", "--skip-serve-logs"]}
+        for name in self.services:
+            self._spawn(name, args[name])
+        # Healthy: the scheduler's heartbeat when one runs, else the API server's metadata DB.
+        watch = "scheduler" if "scheduler" in self.services else "metadatabase"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for p in self.procs:
@@ -130,7 +141,7 @@ class LocalAirflow:
                     raise RuntimeError(f"an Airflow service exited ({p.args}); logs in {self.home}")
             try:
                 health = self._request("GET", "/api/v2/monitor/health", auth=False)
-                if health.get("scheduler", {}).get("status") == "healthy":
+                if health.get(watch, {}).get("status") == "healthy":
                     return self
             except (urllib.error.URLError, ConnectionError, OSError, ValueError):
                 pass

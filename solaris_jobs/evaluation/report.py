@@ -1,4 +1,5 @@
-"""The evaluation's readable report: ``report.md`` beside ``report.json``, with PNG plots (matplotlib, Agg)."""
+"""The evaluation's readable report beside ``report.json``: ``report.md`` with PNG plots (matplotlib, Agg), and
+``report.html``, the same report as one self-contained page (the table and the plots inline, nothing to fetch)."""
 from __future__ import annotations
 
 import logging
@@ -321,13 +322,45 @@ def _verdict(c: dict, kd: dict | None) -> str:
     return f"{head}: {'met' if c['ci'][0] > 0 else 'not met'}."
 
 
+HTML_STYLE = """body{font:14px/1.45 system-ui,sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}code{background:#f6f6f6;padding:0 .2em}"""
+
+
+def html(md: str, folder: Path, title: str) -> str:
+    """The Markdown report as one HTML page: tables rendered, each ``![..](plot.png)`` inlined as a data URI (a
+    plot that is not in ``folder`` is an error, not a broken image)."""
+    import base64
+    import html as html_lib
+
+    from markdown_it import MarkdownIt
+    md_it = MarkdownIt("commonmark").enable("table")
+
+    def inline(renderer, tokens, idx, options, env):
+        token = tokens[idx]
+        path = Path(folder) / token.attrGet("src")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: the report names this plot and it was not written")
+        data = base64.b64encode(path.read_bytes()).decode()
+        alt = html_lib.escape("".join(c.content for c in (token.children or [])), quote=True)
+        return f'<img src="data:image/png;base64,{data}" alt="{alt}" title="{alt}">'
+
+    md_it.add_render_rule("image", inline)
+    return (f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html_lib.escape(title)}"
+            f"</title><style>{HTML_STYLE}</style></head>\n<body>\n{md_it.render(md)}</body></html>\n")
+
+
 def write(report: dict, out: Path) -> Path:
-    """Writes the plots and ``report.md`` under ``out``; returns the Markdown's path."""
+    """Writes the plots, ``report.md`` and ``report.html`` under ``out``; returns the Markdown's path."""
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     files = _plots(report, out)
     path = out / "report.md"
-    path.write_text(markdown(report, files))
-    logger.info("report: %s", path)
+    text = markdown(report, files)
+    path.write_text(text)
+    first = text.splitlines()[0].lstrip("# ").strip() if text else "SOLARIS evaluation"
+    (out / "report.html").write_text(html(text, out, first))
+    logger.info("report: %s (and report.html)", path)
     return path
 
 

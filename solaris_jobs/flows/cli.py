@@ -234,7 +234,7 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
                  fresh) -> None:
     """The replay evaluation: models trained before t1, the refresh and the serving client walked over [t1, t3) as
     production runs them, the ranker's VM trained on what was served; TR vs KD, coverage by tier and FM compute per
-    served row, with paired-bootstrap intervals. Writes report.json and report.md (with plots)."""
+    served row, with paired-bootstrap intervals. Writes report.json, report.md (with plots) and report.html (one self-contained page)."""
     from dataclasses import replace
 
     from solaris_jobs.evaluation import run as ev
@@ -263,13 +263,13 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
         kw["fast_cadence"] = None if fast_cadence == "none" else fast_cadence
     report = ev.evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
     click.echo(ev.headline_table(report))
-    click.echo(f"report: {Path(out) / 'report.md'} (and report.json)")
+    click.echo(f"report: {Path(out) / 'report.html'} (and report.md, report.json)")
 
 
 @main.command("evaluate-merge")
 @click.argument("reports", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the merged report.json and "
-                                                                           "report.md.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the merged report.json, "
+                                                                           "report.md and report.html.")
 @click.option("--seeds", default=None, help="The seeds the merged report should hold to be complete (comma-separated; "
                                             "default the dataset's 0,1,2).")
 def evaluate_merge_cmd(reports, out, seeds) -> None:
@@ -283,7 +283,7 @@ def evaluate_merge_cmd(reports, out, seeds) -> None:
     except ev.ReportMismatch as e:
         raise click.ClickException(str(e))
     click.echo(ev.headline_table(report))
-    click.echo(f"report: {Path(out) / 'report.md'} (seeds {report['seeds']}, complete: {report['complete']})")
+    click.echo(f"report: {Path(out) / 'report.html'} (seeds {report['seeds']}, complete: {report['complete']})")
 
 
 def _settings_options(f):
@@ -461,6 +461,33 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
     out = o.backfill(s, start, end, every, force=force, progress=sys.stderr.isatty())
     _echo_json([{k: v for k, v in r.items() if k != "steps"} | (
         {"report": r["steps"]["report"]} if "steps" in r else {}) for r in out])
+
+
+@main.command("status")
+@click.option("--offline", default=None, help="Offline store root (default: the settings' offline store, from "
+                                              "the environment).")
+@click.option("--last", default=10, show_default=True, help="How many of the newest intervals to show.")
+@click.option("--metrics", default=None, help="The serving client's Prometheus text: a file, or an http(s) "
+                                              "endpoint to scrape.")
+@click.option("--scan-limit", default=1_000_000, show_default=True,
+              help="Redis: count keys per view only up to this many keys (a SCAN of the keyspace).")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--now", default=None, help="The clock for ages (UTC; default the wall clock).")
+@_repo_option
+def status_cmd(offline, last, metrics, scan_limit, as_json, now, feature_repo) -> None:
+    """The newest intervals and each step's state (selected, embedded, aggregated, neighbours, materialized),
+    the coverage by tier the interval's requests met, the online store's freshness and keys per view, and the
+    serving client's metrics if given: what to check first when a ranker's features look wrong."""
+    from solaris_jobs.core.settings import Settings, env_var
+    from solaris_jobs.flows.status import format_status, status
+    kw = {"offline": offline} if offline else {}
+    if feature_repo:
+        kw["feature_repo"] = feature_repo
+    s = Settings.from_env(require=False, **kw)
+    if not s.offline:
+        raise click.UsageError(f"no offline store: pass --offline or set {env_var('offline')}")
+    st = status(s, last=last, now=now, metrics=metrics, scan_limit=scan_limit)
+    click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
 
 
 @main.command("airflow")

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 STEPS = ("validate", "drain_misses", *SPARK_STEPS, "report", "materialize")
 OUTPUTS = ("selection", "pair_embeddings", "user_aggregates", "neighbours")       # what makes an interval complete
+STEP_OUTPUT = dict(zip(SPARK_STEPS, OUTPUTS))           # the offline dataset each Spark step publishes
 
 
 def store(s: Settings):
@@ -159,6 +160,23 @@ def run_step(s: Settings, step: str, start, end, spark=None, *, events=None, mod
 
     out = leased(s, end, owner, go, release=step == STEPS[-1]) if owner else go()
     return json.loads(json.dumps(out, default=str))
+
+
+def published_stats(s: Settings, step: str, end) -> dict:
+    """The stats a Spark step published beside its output for the interval ending at ``end`` (what the step
+    returned, for a step that ran in another process: spark-submit, a cluster).
+
+    Raises:
+        FileNotFoundError: the step has no complete output for that interval.
+    """
+    from solaris_jobs.core.events import to_utc
+    if step not in STEP_OUTPUT:
+        raise ValueError(f"{step!r} publishes no offline output; the Spark steps are {SPARK_STEPS}")
+    stats = off.read_stats(s.offline, STEP_OUTPUT[step], to_utc(end))
+    if stats is None:
+        raise FileNotFoundError(f"{s.offline}: no complete {STEP_OUTPUT[step]} output for the interval ending "
+                                f"{to_utc(end).isoformat()}")
+    return stats
 
 
 def leased(s: Settings, end, owner: str, fn, release: bool = False):

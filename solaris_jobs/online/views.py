@@ -13,6 +13,10 @@ import pandas as pd
 PROJECT = "solaris"
 FEATURE_SERVICE = "solaris_v1"     # bump the suffix when a view's schema changes
 
+# How a row's model_version is used when served (the Feast tags say it too).
+VERSION_POLICY = ("rows carry the FM+AE version that made them; the serving client serves only its pinned version "
+                  "(another version's rows are misses), so a new model never mixes with the old in one ranking")
+
 # feature kinds: float_list (the embedding width is not part of the schema), string, int32, int64_list
 EMBEDDING = "embedding"
 MODEL_VERSION = "model_version"
@@ -26,6 +30,12 @@ class View:
     ttl: pd.Timedelta
     tier: str                           # the serving tier it feeds (solaris_jobs.core.contract.TIERS)
     description: str
+
+    @property
+    def ttl_var(self) -> str:
+        """The variable that sets this view's TTL."""
+        from solaris_jobs.core.settings import view_ttl
+        return view_ttl(self.name, {})[0]
 
     @property
     def columns(self) -> list[str]:
