@@ -528,6 +528,14 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     new = pd.read_parquet(offline / "pair_embeddings").model_version.unique().tolist()
     assert len(old) == len(new) == 1 and old != new
     assert pd.read_parquet(offline / "user_aggregates").model_version.unique().tolist() == new
+    # The run's asset events say what was published: the version, its embedding version, each model's metrics.
+    extras = _asset_extras(run.run_id)
+    published = extras["solaris_models"]
+    assert published["version"] == current.name and published["embedding_version"] == new[0]
+    assert 0 < published["fm_test_bce"] < 1 and published["vm_transfer_model_version"] == meta["model_version"]
+    assert 0 < published["vm_transfer_train_share_none"] < 1
+    assert extras["solaris_online_store"]["model_version"] == new[0]
+    assert extras["solaris_online_store"]["pair_embeddings_written"] > 0
     pairs = pd.read_parquet(offline / "pair_embeddings")
     user = int(pairs.user_id.iloc[0])
     items = pairs[pairs.user_id == user].item_id.to_numpy()
