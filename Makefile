@@ -20,7 +20,7 @@ export PYSPARK_DRIVER_PYTHON := $(abspath $(BIN)/python)
 export SPARK_LOCAL_IP := 127.0.0.1
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv sysdeps clean airflow
+.PHONY: demo test venv sysdeps browserdeps clean airflow
 
 venv: $(STAMP)
 
@@ -41,13 +41,16 @@ sysdeps:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q redis-server; }
 	@ls /usr/lib/jvm/java-17-openjdk-*/bin/java >/dev/null 2>&1 || \
 		{ apt-get update -q && apt-get install -y -q openjdk-17-jre-headless; }
+
+# The browser test's headless Chromium and its driver (the tests only; the demo needs no browser).
+browserdeps:
 	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 
 demo: $(STAMP) sysdeps
 	$(BIN)/solaris demo --workdir artifacts/demo
 
-test: $(STAMP) $(S3STAMP) sysdeps
+test: $(STAMP) $(S3STAMP) sysdeps browserdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...),

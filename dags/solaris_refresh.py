@@ -16,10 +16,13 @@ DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `
 `SOLARIS_REDIS_CONN_ID` (the Redis online store from an Airflow connection instead of `SOLARIS_REDIS`),
 `SOLARIS_FM_QUEUE` / `SOLARIS_FM_POOL` (send FM inference to GPU workers), `SOLARIS_OWNER` (the owner shown here).
 
-**What a run did**: each task's Asset Events tab (and this DAG's Overview, and each asset's page) shows its step's
-numbers as the event's extra: pairs considered / excluded / selected, pairs embedded and FM pairs/s, users
-aggregated, users with neighbours, rows written per view, coverage per tier and the features' age. A task's XCom
-`return_value` holds the step's full stats; `solaris status` lists the last intervals from the stores alone.
+**What a run did**: each output task's Asset Events tab (and this DAG's Overview, and each asset's page) shows its
+step's numbers as the event's extra: pairs considered / excluded / selected, pairs embedded and FM pairs/s, users
+aggregated, users with neighbours, rows written per view, coverage per tier and the features' age. Every task
+(`validate` and `drain_misses` too: events read, bad rows, misses moved) pushes the same numbers as its XCom
+`summary`, and the step's full stats as `return_value` (`stats` under spark-submit); `solaris status` lists the
+last intervals from the stores alone. (A run's note is not set: the Task SDK's execution API gives a task no way to
+write one; only a user can, through the UI or the REST API.)
 
 **When a task fails**: its doc (Details tab) says which setting to check and how to rerun it; clearing a task and
 its downstream reruns the interval from there, and a rerun replaces the interval's outputs whole.
@@ -51,23 +54,27 @@ def _asset(name: str) -> Asset:
 ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "neighbours", "reports")}
 ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v1", group="solaris")
 
-OWNER = os.environ.get("SOLARIS_OWNER", "solaris")
+OWNER = os.environ.get("SOLARIS_OWNER") or "solaris"      # as settings.owner(): Feast shows the same
 RERUN = ("\n\n**Rerun** the interval once fixed: clear this task (and its downstream) in the UI, or "
          "`solaris {cmd} --start <data_interval_start> --end <data_interval_end>` from a worker's environment; "
          "a rerun replaces the interval's outputs whole (nothing half-written is served). "
-         "**Its numbers**: the asset event this task emits (run page, Asset Events) and its XCom `return_value`.")
+         "**Its numbers**: the asset event this task emits (its Asset Events tab) and its XCom `summary`; the "
+         "full stats are its XCom `return_value` (`stats` under spark-submit).")
+WHOLE = ("\n\n**Rerun**: clear the task (and its downstream) in the UI, or `solaris backfill --start "
+         "<data_interval_start> --end <data_interval_end> --force` for the whole interval; its numbers are its XCom "
+         "`summary`.")
 DOCS = {
     "validate": "Reads the interval's events (hour partitions of the event log), counts them and the rows that "
                 "break the contract (per reason; selection sets them aside). Fails on a missing or malformed log "
                 "or when more than `SOLARIS_MAX_BAD_SHARE` (0.05) of the rows are bad. An empty hour is allowed "
                 "(the refresh still runs on the earlier log).\n\n**If it fails**: the log names the file, "
                 "column and count. Fix the upstream log (or raise `SOLARIS_MAX_BAD_SHARE` if the share is "
-                "expected) and clear the task; `SOLARIS_DATA` must point at the event log root.",
+                "expected) and clear the task; `SOLARIS_DATA` must point at the event log root." + WHOLE,
     "drain_misses": "Moves the Redis miss stream (pairs the ranker asked for without a fresh embedding) into "
                     "`<offline>/misses/`, where selection forces them in. Nothing to do with SQLite.\n\n"
                     "**If it fails**: Redis is unreachable or refused the login: check `SOLARIS_REDIS` or the "
                     "connection `SOLARIS_REDIS_CONN_ID` names; undrained misses stay in the stream for the next "
-                    "run.",
+                    "run. By hand: `solaris misses drain --offline <offline>`." + WHOLE,
     "select": "Active users and their simulated candidates, negative exclusion, VM verifier scores, top share "
               "selected. Output: offline `selection`.\n\n**If it fails**: a missing `vm.pt` or a "
               "`history_len` that is not the models' (`SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`), Spark out of "
@@ -87,15 +94,16 @@ DOCS = {
     "materialize": "Writes the interval's three views into the online store (Feast layout, per-view expiry). "
                    "Fails the task on any store error; only complete intervals are recorded.\n\n**If it "
                    "fails**: a Spark step before it failed (fix that one first), or the store refused the writes "
-                   "(`FEAST_FS_YAML_FILE_PATH`, `SOLARIS_REDIS`). Clearing it rewrites the interval; or `solaris "
-                   "materialize --start <data_interval_start> --end <data_interval_end>`. Its asset event gives "
+                   "(`FEAST_FS_YAML_FILE_PATH`, `SOLARIS_REDIS`). To rerun: clear it (it rewrites the interval), or "
+                   "`solaris materialize --start <data_interval_start> --end <data_interval_end>`. Its asset event gives "
                    "the rows written per view.",
     "report": "Coverage of the interval's logged requests as the serving client resolved them from the online "
               "store the interval found (pair, aggregate, neighbour, none; TTL and model version applied), before "
               "this refresh's features are written, and freshness; `<offline>/reports/end=.../report.json`. "
               "Coverage per tier and the features' age are on its asset event.\n\n**If it fails**: diagnostic "
               "only: materialize still runs (trigger rule `all_done`). Usually the online store was unreachable "
-              "or `SOLARIS_MODELS` has no `fm.pt`/`ae.pt`.",
+              "or `SOLARIS_MODELS` has no `fm.pt`/`ae.pt`. Clear the task to rerun it (it reads the store as it "
+              "is then, so rerun it before materialize to see what the interval found).",
 }
 
 
@@ -105,12 +113,14 @@ def _settings():
 
 
 def _announce(step: str, stats: dict, ctx) -> None:
-    """The step's headline numbers (``run_summary.step_summary``) as the extra of every asset event the task emits:
-    what an operator sees on the run's and the asset's pages without opening a log."""
+    """The step's headline numbers (``run_summary.step_summary``) as the extra of every asset event the task emits
+    and as its small XCom ``summary`` (tasks without an output asset too): what an operator sees on the run's,
+    the task's and the asset's pages without opening a log."""
     from solaris_jobs.flows.run_summary import step_summary
     extra = step_summary(step, stats)
     for asset in ctx["task"].outlets:
         ctx["outlet_events"][asset].extra = extra
+    ctx["ti"].xcom_push(key="summary", value=extra)
 
 
 def _run(step: str) -> dict:
@@ -128,7 +138,9 @@ def _announce_published(step: str):
     """For a step run by spark-submit (another process): its published stats, read back after it, announced."""
     def post_execute(context, result=None):
         from solaris_jobs.flows import refresh_steps as o
-        _announce(step, o.published_stats(_settings(), step, context["data_interval_end"]), context)
+        stats = o.published_stats(_settings(), step, context["data_interval_end"])
+        _announce(step, stats, context)
+        context["ti"].xcom_push(key="stats", value=stats)   # spark-submit returns nothing: the full stats here
     return post_execute
 
 

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from airflow.sdk import DAG, Asset, CronTriggerTimetable, get_current_context, task
 
 CRON = os.environ.get("SOLARIS_TRAIN_CRON", "0 3 * * 0")
-OWNER = os.environ.get("SOLARIS_OWNER", "solaris")
+OWNER = os.environ.get("SOLARIS_OWNER") or "solaris"      # as settings.owner(): Feast shows the same
 KINDS = ("fm", "ae", "vm", "vm_transfer")
 # The published model version (its event's extra: the version, its embedding version and every model's metrics)
 # and the online store the re-embedding rewrites (the refresh DAG's asset of the same name).

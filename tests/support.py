@@ -258,12 +258,12 @@ class FeastUI(_Server):
 
 def headless_chromium(width: int = 1400, height: int = 900):
     """Debian's chromium through its chromedriver (Selenium), headless. Raises, not skips, when either is missing
-    (``make sysdeps`` installs them)."""
+    (``make browserdeps``, part of ``make test``, installs them)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     browser, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if browser is None or driver is None:
-        raise RuntimeError("chromium and chromedriver are needed for the browser test (make sysdeps, or apt-get "
+        raise RuntimeError("chromium and chromedriver are needed for the browser test (make browserdeps, or apt-get "
                            "install chromium chromium-driver)")
     opts = webdriver.ChromeOptions()
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",

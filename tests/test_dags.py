@@ -71,6 +71,13 @@ def test_dag_integrity(airflow_env, monkeypatch):
     for t in dag.tasks:
         assert t.retries >= 1 and t.doc_md and t.execution_timeout is not None, t.task_id
         assert t.max_active_tis_per_dag == 1, t.task_id        # backfill runs go through each step in turn
+        # Its doc says what to do when it fails, and how to rerun it.
+        assert "**If it fails**" in t.doc_md and "rerun" in t.doc_md.lower(), t.task_id
+    # The owner Airflow shows is the deployment's (SOLARIS_OWNER), on both DAGs.
+    monkeypatch.setenv("SOLARIS_OWNER", "ml-platform@example.com")
+    for name in ("solaris_refresh.py", "solaris_train.py"):
+        assert {t.owner for t in _load_dag(DAGS / name).tasks} == {"ml-platform@example.com"}, name
+        assert all("**If it fails**" in t.doc_md for t in _load_dag(DAGS / name).tasks if t.task_id != "prepare")
     assert {o.name for t in dag.tasks for o in t.outlets} >= {
         "solaris_selection", "solaris_pair_embeddings", "solaris_user_aggregates", "solaris_neighbours",
         "solaris_online_store"}
@@ -154,7 +161,10 @@ def _run_dag_test(offline: Path, yaml_path: Path, end: pd.Timestamp = ML_END):
                                                                   for v in report["coverage"].values()]
     written = extras["solaris_online_store"]
     assert written["interval_end"] == end.isoformat() and written["pair_embeddings_written"] > 0
-    assert {"solaris_user_aggregates", "solaris_neighbours"} <= set(extras)
+    assert extras["solaris_user_aggregates"]["users"] == off.read_stats(offline, "user_aggregates", end)["users"]
+    nb = off.read_stats(offline, "neighbours", end)
+    assert extras["solaris_neighbours"]["users_with_history"] == nb["users_with_history"] > 0
+    assert extras["solaris_neighbours"]["knn_index"] == nb["knn"]["index"]
     assert {t.owner for t in dag.tasks} == {"solaris"}
     return dag
 
@@ -266,6 +276,7 @@ def test_operator_screens_in_a_real_browser(airflow_env, tmp_path, monkeypatch):
     lists the three feature views, each with its TTL (an override shows), owner and version policy; the evaluation report (report.html, rendered from the committed
     benchmarks/results/evaluation_synth.json) loads every plot. Screenshots under artifacts/screenshots/."""
     import shutil
+    import urllib.parse
 
     from selenium.webdriver.common.action_chains import ActionChains
 
@@ -301,6 +312,11 @@ def test_operator_screens_in_a_real_browser(airflow_env, tmp_path, monkeypatch):
     rep = report.write(json.loads((ROOT / "benchmarks" / "results" / "evaluation_synth.json").read_text()),
                        tmp_path / "report").with_suffix(".html")
     with LocalAirflow(airflow_env["AIRFLOW_HOME"], services=("api-server",)) as af, FeastUI(repo, feast_env) as ui:
+        # validate writes no asset: its numbers are its XCom `summary` (the REST API, as the UI's XCom tab reads it).
+        summary = af.api("GET", f"/api/v2/dags/solaris_refresh/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+                                f"/taskInstances/validate/xcomEntries/summary")["value"]
+        summary = json.loads(summary) if isinstance(summary, str) else summary
+        assert summary["step"] == "validate" and summary["events"] >= 0 and "users" in summary, summary
         browser = headless_chromium()
         try:
             shot = lambda name: browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))

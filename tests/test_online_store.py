@@ -2,6 +2,7 @@
 reading what we wrote, the MovieLens refresh outputs of ``ml_run`` as data."""
 import importlib.util
 import json
+from dataclasses import replace
 from unittest.mock import ANY
 import os
 import signal
@@ -19,7 +20,7 @@ from solaris_jobs.online import store_config
 from solaris_jobs.online.materialize import materialize, materialized_intervals
 from solaris_jobs.online.misses import ParquetSink, drain_misses
 from solaris_jobs.online.reader import FeatureReader
-from tests.support import ML_END, ML_START, feast_yaml, RedisServer
+from tests.support import ML_END, ML_START, feast_yaml, free_port, RedisServer
 
 REPO = Path(__file__).resolve().parent.parent / "feature_repo"
 HOUR = pd.Timedelta(hours=1)
@@ -218,7 +219,8 @@ def store(request, ml_run, tmp_path, redis_server):
     return _store(request.param, ml_run[0], tmp_path, redis_server)
 
 
-def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(ml_run, store, tmp_path):
+def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(ml_run, store, tmp_path,
+                                                                              monkeypatch):
     """`solaris status` on the refreshed and materialized interval: every step done with its numbers, the keys
     per view the store holds (SQLite counted, Redis scanned), its age on the given clock, the serving client's
     metrics from its Prometheus text; an interval whose neighbours output is gone shows that step missing."""
@@ -250,7 +252,17 @@ def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(m
     assert steps["select"]["pairs_selected"] == stats["select"]["pairs_selected"] == len(pairs)
     assert steps["embed"]["pairs"] == len(pairs) and steps["embed"]["state"] == "done"
     assert steps["materialize"]["pair_embeddings_written"] == len(pairs)
-    assert steps["report"] == {"state": "missing"}          # the report step was not run on this interval
+    assert steps["report"] == {"state": "missing"}          # the report step has not run on this interval
+    # Once the report step has run, its coverage per tier is in the status (the shares it wrote, rounded).
+    from solaris_jobs.flows import refresh_steps as o
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(store.yaml_path))
+    # (over the 3 hours before ML_END: the interval's own last hour has no logged requests)
+    written = o.report(replace(job, offline=str(offline), feature_repo=str(REPO)), ML_END - 3 * HOUR, ML_END)
+    st = json.loads(CliRunner().invoke(main, [*args, "--json"], env=env).stdout)
+    assert st["intervals"][0]["interval_start"] == written["interval_start"]    # no start recorded but the report's
+    shown = st["intervals"][0]["steps"]["report"]
+    assert shown["state"] == "done" and shown["requests"] == written["requests"] > 0
+    assert [shown[f"coverage_{t}"] for t in written["coverage"]] == [round(v, 4) for v in written["coverage"].values()]
     assert st["online"]["latest_materialized_end"] == ML_END.isoformat() and st["online"]["age_hours"] == 2.0
     assert st["online"]["keys"] == {"pair_embeddings": len(pairs),
                                     "user_aggregates": off["user_aggregates"].user_id.nunique(),
@@ -266,6 +278,13 @@ def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(m
     assert "cov pair" in header and line.split()[1:5] == [str(len(pairs)), str(len(pairs)),
                                                            str(stats["aggregate"]["users"]), "MISSING"]
     assert f"pair_embeddings {len(pairs):,}" in res.stdout and "solaris_serving_rows_total" in res.stdout
+    # A Redis keyspace larger than the scan limit is said to be uncounted, not half counted; an unreachable
+    # metrics endpoint is one clear error.
+    if store.kind == "redis":
+        from solaris_jobs.online.store_stats import keys_per_view
+        assert keys_per_view(store, scan_limit=1) == {"counted": False, "scanned": 1, "scan_limit": 1}
+    res = CliRunner().invoke(main, [*args[:-1], f"http://127.0.0.1:{free_port()}/metrics"], env=env)
+    assert res.exit_code == 1 and "cannot read the serving metrics" in res.output, res.output
 
 
 def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_server, tmp_path):

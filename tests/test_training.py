@@ -22,7 +22,8 @@ def test_training_is_deterministic_under_a_seed(synth_root, tmp_path):
 
 @pytest.fixture(scope="module")
 def movielens_runs(movielens_root, tmp_path_factory):
-    """FM, AE, VM, VM+KD, VM+embedding for two seeds on the 80/10/10 time split of MovieLens-100K."""
+    """FM, AE and VM for two seeds (the FM-vs-VM gap against the seed spread) and VM+KD, VM+embedding for the
+    first (suite time: they are the costliest) on the 80/10/10 time split of MovieLens-100K."""
     out = tmp_path_factory.mktemp("ml_models")
     runs = []
     for seed in (0, 1):
@@ -33,9 +34,10 @@ def movielens_runs(movielens_root, tmp_path_factory):
         r = {"fm": training.train_fm(data, d / "fm.pt", fm_cfg, **SMALL_FM)}
         r["ae"] = training.train_ae(data, d / "fm.pt", d / "ae.pt", fm_cfg)
         r["vm"] = training.train_vm(data, d / "vm.pt", vm_cfg)
-        r["kd"] = training.train_vm(data, d / "kd.pt", vm_cfg, mode="kd", fm_path=d / "fm.pt")
-        r["tr"] = training.train_vm(data, d / "tr.pt", vm_cfg, mode="transfer", fm_path=d / "fm.pt",
-                                    ae_path=d / "ae.pt")
+        if seed == 0:
+            r["kd"] = training.train_vm(data, d / "kd.pt", vm_cfg, mode="kd", fm_path=d / "fm.pt")
+            r["tr"] = training.train_vm(data, d / "tr.pt", vm_cfg, mode="transfer", fm_path=d / "fm.pt",
+                                        ae_path=d / "ae.pt")
         r["dir"] = d
         runs.append(r)
     return runs
@@ -57,10 +59,10 @@ def test_fm_beats_vm_and_both_beat_base_rate_on_movielens(movielens_runs):
 def test_fm_embedding_transfers_to_the_vm(movielens_runs):
     for r in movielens_runs:
         assert r["ae"]["test_explained_variance"] > 0.6
-        assert r["tr"]["fm_version"] == r["fm"]["model_version"]
-        assert r["kd"]["test_bce"] < r["kd"]["base_rate"]["test_bce"]
-    tr = np.mean([training.transfer_ratio(r["vm"]["test_bce"], r["tr"]["test_bce"], r["fm"]["test_bce"])
-                  for r in movielens_runs])
+    r = movielens_runs[0]
+    assert r["tr"]["fm_version"] == r["fm"]["model_version"]
+    assert r["kd"]["test_bce"] < r["kd"]["base_rate"]["test_bce"]
+    tr = training.transfer_ratio(r["vm"]["test_bce"], r["tr"]["test_bce"], r["fm"]["test_bce"])
     assert tr > 0.3, f"transfer ratio at full coverage {tr:.2f}"
     # The checkpoint carries what rebuilds it and the model versions it depends on.
     vm, meta = load_checkpoint(movielens_runs[0]["dir"] / "tr.pt", kind="vm")

@@ -466,7 +466,8 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
 @main.command("status")
 @click.option("--offline", default=None, help="Offline store root (default: the settings' offline store, from "
                                               "the environment).")
-@click.option("--last", default=10, show_default=True, help="How many of the newest intervals to show.")
+@click.option("--last", default=10, show_default=True, type=click.IntRange(min=1),
+              help="How many of the newest intervals to show.")
 @click.option("--metrics", default=None, help="The serving client's Prometheus text: a file, or an http(s) "
                                               "endpoint to scrape.")
 @click.option("--scan-limit", default=1_000_000, show_default=True,

@@ -21,7 +21,10 @@ def status(s: Settings, last: int = 10, now=None, metrics: str | None = None, sc
     from solaris_jobs.online import lease
     from solaris_jobs.online.materialize import materialized_intervals
     from solaris_jobs.online.store_stats import keys_per_view, serving_metrics
-    now = pd.Timestamp(now) if now is not None else wall_clock()
+    from solaris_jobs.core.events import to_utc
+    if last < 1:
+        raise ValueError(f"--last {last}: show at least 1 interval")
+    now = to_utc(now) if now is not None else wall_clock()
     cfg = store(s)
     done = materialized_intervals(cfg)
     complete = {step: set(off.list_intervals(s.offline, ds, last=last)) for step, ds in STEP_OUTPUT.items()}
@@ -33,9 +36,10 @@ def status(s: Settings, last: int = 10, now=None, metrics: str | None = None, sc
             stats = off.read_stats(s.offline, ds, end) if end in complete[step] else None
             row["steps"][step] = ({"state": "done", **_numbers(step, stats)} if stats is not None
                                   else {"state": "missing"})
-            if stats is not None and "interval_start" not in row and stats.get("interval_start"):
-                row["interval_start"] = stats["interval_start"]
         report = off.read_report(s.offline, end)
+        start = (done.get(end) or {}).get("interval_start") or (report or {}).get("interval_start")
+        if start:
+            row["interval_start"] = start
         row["steps"]["report"] = ({"state": "done", **_numbers("report", report)} if report
                                   else {"state": "missing"})
         row["steps"]["materialize"] = ({"state": "done", **_numbers("materialize", done[end])} if end in done

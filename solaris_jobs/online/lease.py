@@ -104,8 +104,19 @@ def holder(cfg: StoreConfig, end) -> str | None:
         finally:
             client.close()
         return v.decode() if v is not None else None
-    with _sqlite(cfg) as conn:
+    # A read: opened read-only, so that asking (``solaris status``) neither takes the write lock nor creates a
+    # store; no store or no lease table yet means nobody holds a lease.
+    if not cfg.sqlite_path.exists():
+        return None
+    conn = sqlite3.connect(f"file:{cfg.sqlite_path}?mode=ro", uri=True, timeout=30)
+    try:
         row = conn.execute(f"SELECT owner, expires_at FROM {TABLE} WHERE interval_end = ?", (_iso(end),)).fetchone()
+    except sqlite3.OperationalError as e:
+        if "no such table" not in str(e):
+            raise
+        row = None
+    finally:
+        conn.close()
     return row[0] if row is not None and row[1] > time.time() else None
 
 

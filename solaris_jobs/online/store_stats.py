@@ -71,15 +71,18 @@ def serving_metrics(source: str, timeout_s: float = 5.0) -> dict:
     name (``solaris_serving_latency_ms{quantile="0.99"}``).
 
     Raises:
-        ValueError: the text holds no ``solaris_serving_`` metric (not a SOLARIS client's metrics).
+        ValueError: the source cannot be read, or holds no ``solaris_serving_`` metric (not a SOLARIS client's).
     """
     from prometheus_client.parser import text_string_to_metric_families
-    if source.startswith(("http://", "https://")):
-        with urllib.request.urlopen(source, timeout=timeout_s) as r:
-            text = r.read().decode()
-    else:
-        with open(source) as f:
-            text = f.read()
+    try:
+        if source.startswith(("http://", "https://")):
+            with urllib.request.urlopen(source, timeout=timeout_s) as r:
+                text = r.read().decode()
+        else:
+            with open(source) as f:
+                text = f.read()
+    except OSError as e:                      # URLError, a refused connection, a missing file
+        raise ValueError(f"{source}: cannot read the serving metrics ({type(e).__name__}: {e})") from e
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
