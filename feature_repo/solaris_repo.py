@@ -10,7 +10,7 @@ from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueT
 from feast.types import Array, Float32, Int32, Int64, String
 
 from solaris_jobs.core.settings import feast_offline_root, owner
-from solaris_jobs.online.views import FEATURE_SERVICE, VERSION_POLICY, views
+from solaris_jobs.online.views import FEATURE_SERVICE, VERSION_POLICY, duration, views
 
 OFFLINE = feast_offline_root()
 OWNER = owner()
@@ -39,11 +39,7 @@ def _view(v) -> FeatureView:
 
 def _duration(t) -> str:
     """4h, 24h, 90min, 7d: the TTL as an operator writes it (days from 2 days up)."""
-    s = int(t.total_seconds())
-    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
-        if s % n == 0 and (unit != "d" or s >= 2 * 86400):
-            return f"{s // n}{unit}"
-    return f"{s}s"
+    return duration(t, min_days=2)
 
 
 _views = [_view(v) for v in views().values()]

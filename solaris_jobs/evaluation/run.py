@@ -30,6 +30,7 @@ from solaris_jobs.core.events import to_utc
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation import curves, metrics, variants
 from solaris_jobs.evaluation.protocol import ModelsConfig, Protocol, by_days, by_quantiles, train_models
+from solaris_jobs.online.views import duration
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +170,6 @@ def _ttls(cfg: EvalConfig) -> dict:
     from solaris_jobs.core.settings import ttl_env
     return ttl_env({"pair_embeddings": cfg.ttl_pair, "user_aggregates": cfg.ttl_aggregate,
                     "neighbours": cfg.ttl_neighbour})
-
-
-def duration(td: pd.Timedelta) -> str:
-    """A duration as the settings write it: 15min, 4h, 1d."""
-    s = int(pd.Timedelta(td).total_seconds())
-    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
-        if s % n == 0:
-            return f"{s // n}{unit}"
-    return f"{s}s"
 
 
 def _cached_json(path: Path, key: dict):

@@ -42,6 +42,16 @@ class View:
         return [c for c, _ in self.features]
 
 
+def duration(td, min_days: int = 1) -> str:
+    """A duration as the settings write it: 15min, 4h, 1d (days only from ``min_days`` days up: 24h, not 1d, with
+    ``min_days=2``)."""
+    s = int(pd.Timedelta(td).total_seconds())
+    for unit, n in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s % n == 0 and (unit != "d" or s >= min_days * 86400):
+            return f"{s // n}{unit}"
+    return f"{s}s"
+
+
 def ttl(name: str, env=None) -> pd.Timedelta:
     from solaris_jobs.core.settings import view_ttl
     var, raw = view_ttl(name, env)
