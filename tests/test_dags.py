@@ -181,26 +181,33 @@ def _asset_extras(run_id: str) -> dict:
 
 def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, spark, tmp_path, monkeypatch):
     """dag.test() end to end into Redis with SOLARIS_SPARK_CONN_ID set: the four Spark steps are
-    SparkSubmitOperators (spark-submit on a local[2] connection) and get the worker's settings whole (--settings).
+    SparkSubmitOperators, submitted to a real Spark standalone master and worker on loopback (the connection names
+    the master), and get the worker's settings whole (--settings); their work runs on the cluster's executors.
     With non-default settings their outputs equal an in-process run of the same settings, row for row (when only
     the paths travelled, the jobs ran on the argparse defaults: a 30-day lookback, 24 active hours, L = 50)."""
+    from tests.support import SparkStandalone
     from solaris_jobs.core import offline as off
     from solaris_jobs.pipeline import jobs
     offline = tmp_path / "offline"
     precompute = json.loads(_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5,
                                                    "lookback_days": 21}
-    for k, v in {"SOLARIS_OFFLINE": str(offline), "SOLARIS_PRECOMPUTE": json.dumps(precompute),
-                 "SOLARIS_SPARK_CONN_ID": "solaris_test_spark",
-                 "AIRFLOW_CONN_SOLARIS_TEST_SPARK": json.dumps({"conn_type": "spark", "host": "local[2]"}),
-                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}.items():  # spark-submit
-        monkeypatch.setenv(k, v)
     server = RedisServer(tmp_path / "redis").start()
     try:
-        yaml_path = _redis_yaml(tmp_path, server)
-        monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
-        dag = _run_dag_test(offline, yaml_path)
+        with SparkStandalone(tmp_path / "cluster") as cluster:
+            conn = {"conn_type": "spark", "host": "spark://127.0.0.1", "port": cluster.port}
+            for k, v in {"SOLARIS_OFFLINE": str(offline), "SOLARIS_PRECOMPUTE": json.dumps(precompute),
+                         "SOLARIS_SPARK_CONN_ID": "solaris_test_spark",
+                         "AIRFLOW_CONN_SOLARIS_TEST_SPARK": json.dumps(conn),
+                         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}.items():
+                monkeypatch.setenv(k, v)                                               # (spark-submit on PATH)
+            yaml_path = _redis_yaml(tmp_path, server)
+            monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
+            dag = _run_dag_test(offline, yaml_path)
+            worker_log = (tmp_path / "cluster" / "worker.log").read_text()
     finally:
         server.stop()
+    # Each of the four steps was its own application on the cluster, its work on the cluster's executor.
+    assert worker_log.count("Asked to launch executor") >= 4, worker_log[-3000:]
     assert {t: type(dag.get_task(t)).__name__ for t in ("select", "embed", "aggregate", "neighbours")} == \
         dict.fromkeys(("select", "embed", "aggregate", "neighbours"), "SparkSubmitOperator")
     assert off.read_stats(offline, "selection", ML_END)["select_share"] == 0.3
@@ -464,11 +471,12 @@ def _online_digest(db: Path) -> str:
     return h.hexdigest()
 
 
-def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
+def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, spark, tmp_path):
     """API server, scheduler, DAG processor and triggerer as real processes on free ports, and the Spark Connect
     server `solaris airflow` starts beside them. One run is triggered and watched through the REST API, the
     interval before it is backfilled with Airflow's own `airflow backfill create`; every task runs in its own
-    process (LocalExecutor), and the Spark steps connect to the one long-lived Spark instead of starting a JVM."""
+    process (LocalExecutor), and the Spark steps connect to the one long-lived Spark instead of starting a JVM. The
+    backfilled interval's outputs through Spark Connect equal an in-process run of it, row for row."""
     from solaris_jobs.dev.airflow_local import LocalAirflow
     from solaris_jobs.online import store_config
     from solaris_jobs.online.materialize import materialized_intervals
@@ -504,6 +512,12 @@ def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, tmp_path):
     assert {ML_END - HOUR, ML_END} <= set(done)
     assert done[ML_END - HOUR]["interval_start"] == earlier.isoformat()
     assert _dump_sqlite(tmp_path / "online.db")["solaris_pair_embeddings"]
+    # The backfilled interval is the earlier one: nothing it reads depends on the triggered run's outputs.
+    from solaris_jobs.pipeline import jobs
+    s = Settings.from_env(offline=str(tmp_path / "in_process"))
+    jobs.run(spark, s, earlier, ML_END - HOUR)
+    counts = assert_same_outputs(tmp_path / "offline", s.offline, ML_END - HOUR, rtol=1e-5, atol=1e-6)
+    assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
 
 
 def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path, monkeypatch):
