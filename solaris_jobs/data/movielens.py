@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,12 +60,16 @@ def fetch_recbole_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     logger.info("downloading %s into %s", RECBOLE_SPEC, cache)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache), RECBOLE_SPEC]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(cache.glob("recbole-1.2.1-*.whl"))
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"could not download {RECBOLE_SPEC} with {' '.join(cmd)}: {proc.stderr.strip()}")
-    return found[0]
+    # Into a folder of this process's own, then moved into place whole: another process (a parallel test worker)
+    # never sees a half-written wheel.
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, RECBOLE_SPEC]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = sorted(Path(tmp).glob("recbole-1.2.1-*.whl"))
+        if proc.returncode != 0 or not got:
+            raise RuntimeError(f"could not download {RECBOLE_SPEC} with {' '.join(cmd)}: {proc.stderr.strip()}")
+        os.replace(got[0], cache / got[0].name)
+    return cache / got[0].name
 
 
 def _read_recbole_member(zf: zipfile.ZipFile, wheel: Path, ext: str) -> tuple[pd.DataFrame, str]:
