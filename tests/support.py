@@ -116,15 +116,6 @@ class SparkStandalone:
         _wait_for(lambda: "Successfully registered with master" in wlog.read_text(), 90, "Spark worker", wlog)
         return self
 
-    def submit(self, script: str, args: list[str], timeout: float = 600, env: dict | None = None
-               ) -> subprocess.CompletedProcess:
-        submit = str(Path(sys.executable).parent / "spark-submit")
-        cmd = [submit, "--master", self.url, "--conf", f"spark.pyspark.python={sys.executable}",
-               "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
-               "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
-               "--executor-memory", "1g", script, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env={**self.env(), **(env or {})}, timeout=timeout)
-
     def __exit__(self, *exc):
         for p in reversed(self.procs):
             stop(p)

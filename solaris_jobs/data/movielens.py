@@ -60,8 +60,8 @@ def fetch_recbole_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
     logger.info("downloading %s into %s", RECBOLE_SPEC, cache)
-    # Into a folder of this process's own, then moved into place whole: another process (a parallel test worker)
-    # never sees a half-written wheel.
+    # Into a folder of this process's own, then moved into place whole: another process fetching it at the same
+    # time never sees a half-written wheel.
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, RECBOLE_SPEC]
         proc = subprocess.run(cmd, capture_output=True, text=True)
