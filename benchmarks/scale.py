@@ -96,12 +96,15 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
         spark_start = round(time.perf_counter() - t0, 1)
         try:
             for step in jobs.SPARK_STEPS:
+                spark.sparkContext.setJobGroup(step, step)        # to count the step's Spark jobs
                 with PeakRSS() as m:
                     t0 = time.perf_counter()
                     st = jobs.run(spark, s, start, end, (step,))[step]
+                n_jobs = len(spark.sparkContext.statusTracker().getJobIdsForGroup(step))
                 stages[step] = {"seconds": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(m.peak / 2**20),
-                                "stats": st}
-                print(f"  {step}: {stages[step]['seconds']} s, peak {stages[step]['peak_rss_mb']} MB", flush=True)
+                                "spark_jobs": n_jobs, "stats": st}
+                print(f"  {step}: {stages[step]['seconds']} s, {n_jobs} Spark jobs, peak "
+                      f"{stages[step]['peak_rss_mb']} MB", flush=True)
         finally:
             spark.stop()
         store = store_config.load(ROOT / "feature_repo", feast_yaml(

@@ -85,15 +85,19 @@ def popular_items(prior, cutoff, cfg: SimulatorConfig):
 
 
 def covisitation(prior, cfg: SimulatorConfig):
-    """Top ``covisit_top`` co-visited items per seed item (pairs within ``covisit_window`` positions)."""
+    """Top ``covisit_top`` co-visited items per seed item (pairs within ``covisit_window`` positions of a user's
+    events ordered by time, then item; counted in both directions)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     w = Window.partitionBy("user_id").orderBy("event_timestamp", "item_id")
-    lags = F.array(*[F.lag("item_id", lag).over(w) for lag in range(1, cfg.covisit_window + 1)])
-    p = (prior.select("item_id", lags.alias("prevs")).select("item_id", F.explode("prevs").alias("prev"))
-         .where(F.col("prev").isNotNull() & (F.col("prev") != F.col("item_id"))))
-    pairs = p.select(F.col("item_id").alias("seed"), F.col("prev").alias("item_id")).unionByName(
-        p.select(F.col("prev").alias("seed"), "item_id"))
+    lags = [f"_lag{k}" for k in range(1, cfg.covisit_window + 1)]
+    lagged = prior.select("item_id", *[F.lag("item_id", k).over(w).alias(c) for k, c in enumerate(lags, 1)])
+    # Both directions of every pair from one pass over the sorted events (a union of two projections would sort
+    # and window the events twice).
+    both = F.array(*[F.struct(F.col(a).alias("seed"), F.col(b).alias("item_id"))
+                     for c in lags for a, b in (("item_id", c), (c, "item_id"))])
+    pairs = (lagged.select(F.explode(both).alias("p")).select("p.seed", "p.item_id")
+             .where(F.col("seed").isNotNull() & F.col("item_id").isNotNull() & (F.col("seed") != F.col("item_id"))))
     top = Window.partitionBy("seed").orderBy(F.desc("count"), "item_id")
     return (pairs.groupBy("seed", "item_id").count().withColumn("k", F.row_number().over(top))
             .where(F.col("k") <= cfg.covisit_top).drop("k"))
