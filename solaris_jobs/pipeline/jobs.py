@@ -214,9 +214,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                   cfg.lookback_days))
     uc, ic = pc.counters(prior)
-    # Histories of the users with a selected pair only (a user's history depends on its own events alone).
-    theirs = prior.join(selected.select("user_id").distinct(), "user_id", "left_semi")
-    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(theirs, cfg.history_len),
+    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(prior, cfg.history_len),
                                                                        "user_id", "left")
     users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
     out = cache(pc.embed_pairs(users, models, T, cfg))
