@@ -95,14 +95,20 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
         spark = jobs.session(s, "scale")
         spark_start = round(time.perf_counter() - t0, 1)
         try:
+            sc = spark.sparkContext                # to count each step's Spark jobs (classic sessions)
+        except Exception:                          # a Spark Connect session has no SparkContext: no counts
+            sc = None
+        try:
             for step in jobs.SPARK_STEPS:
-                spark.sparkContext.setJobGroup(step, step)        # to count the step's Spark jobs
+                if sc is not None:
+                    sc.setJobGroup(step, step)
                 with PeakRSS() as m:
                     t0 = time.perf_counter()
                     st = jobs.run(spark, s, start, end, (step,))[step]
-                n_jobs = len(spark.sparkContext.statusTracker().getJobIdsForGroup(step))
-                stages[step] = {"seconds": round(time.perf_counter() - t0, 1), "peak_rss_mb": round(m.peak / 2**20),
-                                "spark_jobs": n_jobs, "stats": st}
+                seconds = round(time.perf_counter() - t0, 1)
+                n_jobs = len(sc.statusTracker().getJobIdsForGroup(step)) if sc is not None else None
+                stages[step] = {"seconds": seconds, "peak_rss_mb": round(m.peak / 2**20), "spark_jobs": n_jobs,
+                                "stats": st}
                 print(f"  {step}: {stages[step]['seconds']} s, {n_jobs} Spark jobs, peak "
                       f"{stages[step]['peak_rss_mb']} MB", flush=True)
         finally:

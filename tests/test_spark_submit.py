@@ -8,8 +8,8 @@ from tests.support import SparkConnectServer
 
 
 CLIENT = """
-import os, sys
-from solaris_jobs.pipeline.spark import spark_session
+import json, os, sys
+from solaris_jobs.pipeline.spark import parallelism, spark_session
 spark = spark_session("client", sys.argv[1])
 
 def pids(frames):
@@ -17,14 +17,17 @@ def pids(frames):
     for pdf in frames:
         yield pd.DataFrame({"pid": [os.getpid()] * len(pdf)})
 
-print(sorted({r.pid for r in spark.range(64, numPartitions=2).mapInPandas(pids, "pid long").collect()}))
+print(json.dumps({"pids": sorted({r.pid for r in spark.range(64, numPartitions=2).mapInPandas(pids, "pid long")
+                                  .collect()}), "parallelism": parallelism(spark)}))
 """
 
 
 def test_clients_of_the_shared_spark_connect_session_reuse_its_python_workers(tmp_path):
     """What `solaris airflow` gives its tasks: three client processes in a row on the server's shared session run
     their Python UDFs in the same Python workers (so the executors' model cache outlives a task), and the server's
-    Python processes do not grow; each client on a session of its own gets new workers and leaves them behind."""
+    Python processes do not grow; each client on a session of its own gets new workers and leaves them behind.
+    The jobs' parallelism is the server's local[2] cores (a client has no SparkContext to ask; unset, it was the
+    client's 32 shuffle partitions and the FM inference ran as 32 tasks)."""
     import psutil
 
     def run(url):
@@ -40,6 +43,8 @@ def test_clients_of_the_shared_spark_connect_session_reuse_its_python_workers(tm
         after_shared = pythons(server)
         own = [run(server.url) for _ in range(2)]
         after_own = pythons(server)
+    assert server.master == "local[2]" and {r["parallelism"] for r in shared + own} == {2}
+    shared, own = [r["pids"] for r in shared], [r["pids"] for r in own]
     assert shared[0] == shared[1] == shared[2] and len(shared[0]) >= 1
     assert not set(own[0]) & set(own[1]) and not set(own[0]) & set(shared[0])
     assert after_own > after_shared > 0

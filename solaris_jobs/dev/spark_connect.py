@@ -24,6 +24,20 @@ from pathlib import Path
 from solaris_jobs.dev.ports import free_port
 
 
+def local_parallelism(master: str) -> dict:
+    """``spark.default.parallelism`` for a local master (its cores: ``local`` 1, ``local[N]`` / ``local[N,F]`` N,
+    ``local[*]`` the machine's), else nothing. A Connect client has no SparkContext to ask for the parallelism, so
+    the jobs read this setting (``pipeline.spark.parallelism``); unset, they would fall back to the shuffle
+    partitions (32) and split e.g. the FM inference into 32 small tasks on 2 cores."""
+    import re
+    m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", master.strip())
+    if not m:
+        return {}
+    n = m.group(1)
+    cores = 1 if n is None else (os.cpu_count() or 1) if n == "*" else int(n)
+    return {"spark.default.parallelism": str(max(cores, 1))}
+
+
 class SparkConnectServer:
     """``spark-submit --class ...SparkConnectServer`` with ``master`` as its Spark (``local[2]`` by default), bound to
     127.0.0.1 on ``port`` (a free one by default); its log is ``<workdir>/connect.log``. Spark Connect mode holds for
@@ -48,7 +62,8 @@ class SparkConnectServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         submit = str(Path(sys.executable).parent / "spark-submit")
         conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(self.port),
-                "spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1", **self.conf}
+                "spark.ui.enabled": "false", "spark.driver.host": "127.0.0.1",
+                **local_parallelism(self.master), **self.conf}
         args = [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", self.master,
                 *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")], "--driver-memory", self.driver_memory,
                 "spark-internal"]
