@@ -311,6 +311,26 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
     assert res.exit_code == 0 and json.loads((tmp_path / "m2" / "report.json").read_text())["complete"] is False
     res = runner.invoke(main, ["evaluate-merge", a_path, a_path, "--out", str(tmp_path / "m3")])
     assert res.exit_code != 0 and "seed 0 is in both" in res.output
+    # A sweep run alone (`solaris evaluate --seeds none --sequence-shares 0`): no seed of its own; merged, the
+    # headline's share is the sweep seed's headline run, beside the point that was run.
+    from solaris_jobs.evaluation import report as rep
+    share0 = a["config"]["synth"]["sequence_share"]
+    c = copy.deepcopy(a)
+    point = ev._sweep_point(0.0, dict(a["per_seed"][0], seed=0), 0.0123)
+    c.update(seeds=[], summary=[], per_seed=[], sweep=[point], targets=ev._targets([]))
+    c["config"].update(seeds=[], sequence_shares=[0.0], curves=False)
+    (tmp_path / "c").mkdir()
+    rep.write(c, tmp_path / "c")
+    assert "| 0 | 0.012 |" in (tmp_path / "c" / "report.md").read_text()
+    (tmp_path / "c" / "report.json").write_text(json.dumps(c))
+    res = runner.invoke(main, ["evaluate-merge", a_path, str(tmp_path / "c" / "report.json"), "--out",
+                               str(tmp_path / "m5"), "--seeds", "0"])
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "m5" / "report.json").read_text())
+    assert [x["sequence_share"] for x in m["sweep"]] == sorted([0.0, share0]) and m["complete"] is True
+    head = next(x for x in m["sweep"] if x["sequence_share"] == share0)
+    assert head["vm_bce"] == a["summary"][0]["vm_bce"] and head["positive_rate"] == a["data"]["positive_rate"]
+    assert m["config"]["sequence_shares"] == sorted([0.0, share0])
     b["config"]["n_boot"] += 1
     (tmp_path / "b" / "report.json").write_text(json.dumps(b))
     res = runner.invoke(main, ["evaluate-merge", a_path, b_path, "--out", str(tmp_path / "m4")])

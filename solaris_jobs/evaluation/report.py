@@ -39,6 +39,8 @@ def _plots(report: dict, out: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     files = {}
+    if not report["per_seed"]:          # a sweep run alone (``--seeds none``): its table is the report
+        return files
     first = report["per_seed"][0]
     cov = first["headline"]["coverage"]
 
@@ -236,7 +238,7 @@ def markdown(report: dict, files: dict) -> str:
                 kd = sm["variants"]["vm_kd"]
                 L.append(f"| {k} | {sm['rows']} | {_f(sm['gap']['value'], 5)}{_ci(sm['gap']['ci'], 5)} | "
                          f"{_f(s_['tr'], 3)}{_ci(s_['tr_ci'])} | {_f(kd['tr'], 3)}{_ci(kd['tr_ci'])} |")
-    first = report["per_seed"][0]
+    first = report["per_seed"][0] if report["per_seed"] else {}
     if first.get("curves"):
         cu = first["curves"]
         L += ["", f"## Curves (seed {first['seed']}; the all-tiers VM with the headline's hyperparameters)", "",
@@ -277,7 +279,7 @@ def markdown(report: dict, files: dict) -> str:
             L += ["", _verdict(c, te["variants"].get("vm_kd"))]
     if report.get("sweep"):
         L += ["", "## Sweep: share of the label signal only a sequence model can see (seed "
-              f"{report['seeds'][0]} each)", "",
+              f"{report['config'].get('sweep_seed', 0)} each)", "",
               "| sequence share | positive rate | VM BCE | FM BCE | FM gain | TR all tiers [95%] | TR KD [95%] | "
               "TR - 1.5 TR(KD) [95%] |", "|---|---|---|---|---|---|---|---|"]
         for s in report["sweep"]:

@@ -6,7 +6,8 @@ on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learn
 budget and cadence from it (``curves``); train the VM variants on what was served (``variants``); measure BCE, AUC
 and TR with paired-bootstrap intervals over users, overall, per tier and per segment, and coverage and cost through what
 ``FeatureReader`` served. The budget and cadence curves and the 15-minute replay run for the first seed only; the
-sweep over the share of the label signal only a sequence model can see runs one seed per share.
+sweep over the share of the label signal only a sequence model can see runs one seed per share (``sweep_seed``;
+``--seeds none`` runs the sweep alone, and ``evaluate-merge`` joins it to the headline's seeds).
 
 Everything expensive is cached under ``<out>`` (data, checkpoints, replays, FM outputs) and reused when its inputs
 are unchanged, so a rerun only redoes what changed; ``--fresh`` starts over.
@@ -73,6 +74,7 @@ class EvalConfig:
     vm_batch_size: int = 8192
     grid_points: int = variants.GRID_SIZE                  # per variant (the same for all)
     sweep_variants: tuple = ("vm", "vm_kd", "solaris")     # what the sweep over the sequence share trains
+    sweep_seed: int = 0                                    # the one seed each sweep point runs
     n_boot: int = 1000
     curves: bool = True
     spark_master: str = "local[2]"
@@ -93,7 +95,7 @@ class EvalConfig:
 
 REPLAY_INDEPENDENT = ("seeds", "sequence_shares", "budget", "budgets", "slow_cadence", "fast_cadence",
                       "fast_hours_before", "fast_hours_after", "vm_epochs", "vm_batch_size", "grid_points",
-                      "sweep_variants", "n_boot", "curves")
+                      "sweep_variants", "sweep_seed", "n_boot", "curves")
 
 
 def quick_config(**kw) -> EvalConfig:
@@ -619,26 +621,30 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     for share in cfg.sequence_shares:
         if cfg.dataset != "synth":
             break
-        if share == cfg.synth.sequence_share:
-            r = seeds[0]
+        head = [r for r in seeds if r["seed"] == cfg.sweep_seed]
+        if share == cfg.synth.sequence_share and head:
+            r = head[0]      # the headline data at the sweep's seed: that seed's headline run is the point
         else:
             r_root = _data(cfg, out, share)
             t = ev.read_events(r_root)
             e = EventTable(t, str(r_root))
-            ctx = SeedContext(cfg, r_root, out / f"sweep-seq{share:g}" / f"seed{cfg.seeds[0]}", _protocol(cfg, t),
-                              cfg.seeds[0], e, spark)
+            ctx = SeedContext(cfg, r_root, out / f"sweep-seq{share:g}" / f"seed{cfg.sweep_seed}", _protocol(cfg, t),
+                              cfg.sweep_seed, e, spark)
             r = run_seed(ctx, f"sequence share {share}", with_curves=False, names=cfg.sweep_variants)
             e.unpersist()
-        sweep.append({"sequence_share": share, **_seed_summary(r),
-                      "positive_rate": ev.read_manifest(_data(cfg, out, share))["positive_rate"]})
+        sweep.append(_sweep_point(share, r, ev.read_manifest(_data(cfg, out, share))["positive_rate"]))
         write(False)
     return write(True)
+
+
+def _sweep_point(share: float, seed_result: dict, positive_rate: float) -> dict:
+    return {"sequence_share": share, **_seed_summary(seed_result), "positive_rate": positive_rate}
 
 
 # What may differ between reports of one evaluation run apart (one seed per machine or per session): which seeds
 # and sweep points each ran, and the settings that only the first seed's curves use.
 MERGE_INDEPENDENT = ("seeds", "sequence_shares", "curves", "budgets", "slow_cadence", "fast_cadence",
-                     "fast_hours_before", "fast_hours_after", "sweep_variants")
+                     "fast_hours_before", "fast_hours_after", "sweep_variants", "sweep_seed")
 
 
 class ReportMismatch(ValueError):
@@ -688,6 +694,14 @@ def merge_reports(paths, out: Path, expected_seeds: tuple | None = None) -> dict
                 raise ReportMismatch(f"{p}: sweep point {point['sequence_share']} is given twice")
             sweep.append(point)
     seeds.sort(key=lambda s: s["seed"])
+    # A sweep run apart from the headline (``--seeds none``) leaves out the headline's share: its point is the
+    # headline run of the sweep's seed, as in one run.
+    if sweep:
+        share0 = r0["config"]["synth"]["sequence_share"]
+        sweep_seed = r0["config"].get("sweep_seed", 0)
+        head = [s for s in seeds if s["seed"] == sweep_seed]
+        if head and not any(x["sequence_share"] == share0 for x in sweep):
+            sweep.append(_sweep_point(share0, head[0], r0["data"]["positive_rate"]))
     sweep.sort(key=lambda x: x["sequence_share"])
     expected = tuple(expected_seeds) if expected_seeds is not None else (
         movielens_config() if r0["dataset"] == "movielens" else EvalConfig()).seeds
@@ -731,6 +745,9 @@ def headline_table(report: dict) -> str:
         lines.append(f"{p['seed']:4d} {100 * p['fm_gain_relative']:7.2f}% {f(p['tr'].get('solaris')):>12s} "
                      f"{f(p['tr'].get('vm_kd')):>7s} {f(p['coverage']['any_tier']):>8s} "
                      f"{f(p['coverage']['pair_of_ceiling']):>9s} {f(p['fm_per_row']):>6s}")
-    if not any(p["tr_quoted"] for p in report["summary"]):
+    if report["summary"] and not any(p["tr_quoted"] for p in report["summary"]):
         lines.append("(no TR quoted: the FM's gain over the VM is not above 0 at the 95% lower bound)")
+    for p in report.get("sweep", []):
+        lines.append(f"sweep: sequence share {p['sequence_share']:g}: FM gain {100 * p['fm_gain_relative']:.2f}%, "
+                     f"TR all tiers {f(p['tr'].get('solaris'))}, TR KD {f(p['tr'].get('vm_kd'))}")
     return "\n".join(lines)

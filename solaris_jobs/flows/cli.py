@@ -219,7 +219,8 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 @click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
               "data, checkpoints, replays and FM outputs are cached under it.")
-@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0).")
+@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0); 'none' runs only the "
+                                         "sweep (at seed 0), to be joined with evaluate-merge.")
 @click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 3 days, one seed, "
                                             "small models, no sweep (too small for the targets).")
 @click.option("--users", default=None, type=int, help="Synthetic users (default 5000; --quick 1000).")
@@ -246,7 +247,7 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
         cfg = ev.quick_config() if quick else ev.EvalConfig()
     kw = {"spark_master": master}
     if seeds:
-        kw["seeds"] = tuple(int(x) for x in seeds.split(","))
+        kw["seeds"] = () if seeds == "none" else tuple(int(x) for x in seeds.split(","))
     if users:
         kw["synth"] = replace(cfg.synth, users=users)
     if sequence_shares:
