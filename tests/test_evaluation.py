@@ -241,6 +241,10 @@ def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, sp
     plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ev._ttls(TINY))
     events = event_source.EventTable(events_mod.read_events(root))
     direct = replay.run(spark, s, events, models, plan, tmp_path / "direct")
+    # The events' Spark copy is one partition per core, not one per Arrow batch of 10,000 rows (every step scans
+    # it: 234 tasks a scan on the evaluation's log made the replay's select and embed about 2x slower).
+    from solaris_jobs.pipeline.spark import parallelism
+    assert events.spark(spark).rdd.getNumPartitions() == parallelism(spark)
     a = replay.read_served(tmp_path / "direct").to_pandas()
     b = replay.read_served(out / "seed0" / "derived-b0.5-x1").to_pandas()
     assert len(a) == len(b) == direct["rows"]

@@ -51,7 +51,10 @@ class EventTable:
     def spark(self, spark, start=None, end=None):
         from pyspark.sql import functions as F
         if self._df is None:
-            self._df = spark.createDataFrame(self._arrow).cache()
+            from solaris_jobs.pipeline.spark import parallelism
+            # One partition per core: Arrow's record batches would otherwise become hundreds of small partitions
+            # (10,000 rows each), and every step that scans the cached events pays a task per batch.
+            self._df = spark.createDataFrame(self._arrow).coalesce(parallelism(spark)).cache()
         df = self._df
         if start is not None:
             df = df.where(F.col("event_timestamp") >= F.lit(ev.to_utc(start).to_pydatetime()))
