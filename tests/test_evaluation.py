@@ -325,7 +325,7 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
     c["config"].update(seeds=[], sequence_shares=[0.0], curves=False)
     (tmp_path / "c").mkdir()
     rep.write(c, tmp_path / "c")
-    assert "| 0 | 0.012 |" in (tmp_path / "c" / "report.md").read_text()
+    assert "| 0 | 0.012 | " in (tmp_path / "c" / "report.md").read_text()
     (tmp_path / "c" / "report.json").write_text(json.dumps(c))
     res = runner.invoke(main, ["evaluate-merge", a_path, str(tmp_path / "c" / "report.json"), "--out",
                                str(tmp_path / "m5"), "--seeds", "0"])

@@ -548,6 +548,7 @@ def _seed_summary(r: dict) -> dict:
     v = t["variants"]
     return {"seed": r["seed"], "vm_bce": v["vm"]["bce"], "fm_bce": v["fm"]["bce"],
             "fm_gain_relative": t["gap"]["relative"], "gap_ci": t["gap"]["ci"], "tr_quoted": t["tr_quoted"],
+            "bce": {k: x["bce"] for k, x in v.items()},
             "tr": {k: x["tr"] for k, x in v.items()}, "tr_ci": {k: x["tr_ci"] for k, x in v.items()},
             "criterion": t["criterion"], "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
                                                       ("shares", "any_tier", "ceiling", "pair_of_ceiling")},
