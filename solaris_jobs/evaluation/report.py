@@ -279,16 +279,19 @@ def markdown(report: dict, files: dict) -> str:
             L += ["", _verdict(c, te["variants"].get("vm_kd"))]
     if report.get("sweep"):
         L += ["", "## Sweep: share of the label signal only a sequence model can see (seed "
-              f"{report['config'].get('sweep_seed', 0)} each)", "",
+              f"{report['sweep'][0].get('seed', report['config'].get('sweep_seed', 0))} each)", "",
               "| sequence share | positive rate | VM BCE | VM + KD BCE | VM + SOLARIS BCE | FM BCE | FM gain | "
               "TR all tiers [95%] | TR KD [95%] | TR - 1.5 TR(KD) [95%] |", "|---|---|---|---|---|---|---|---|---|---|"]
         for s in report["sweep"]:
             c = s["criterion"]
             bce = s.get("bce") or {}
             L.append(f"| {s['sequence_share']:g} | {_f(s['positive_rate'], 3)} | {_f(s['vm_bce'], 5)} | "
-                     f"{_f(bce.get('vm_kd'), 5)} | {_f(bce.get('solaris'), 5)} | {_f(s['fm_bce'], 5)} | {100 * s['fm_gain_relative']:.2f}% | {_f(s['tr'].get('solaris'), 3)}"
+                     f"{_f(bce.get('vm_kd'), 5)} | {_f(bce.get('solaris'), 5)} | {_f(s['fm_bce'], 5)} | "
+                     f"{100 * s['fm_gain_relative']:.2f}% | {_f(s['tr'].get('solaris'), 3)}"
                      f"{_ci(s['tr_ci'].get('solaris'))} | {_f(s['tr'].get('vm_kd'), 3)}{_ci(s['tr_ci'].get('vm_kd'))}"
                      f" | {_f(c['value'], 3) if c else '-'}{_ci(c['ci']) if c else ''} |")
+    for n in report.get("notes", []):
+        L += ["", f"**Note:** {n}."]
     L += ["", "## Plots", ""]
     for name, f in files.items():
         L.append(f"![{name}]({f})")

@@ -695,24 +695,39 @@ def merge_reports(paths, out: Path, expected_seeds: tuple | None = None) -> dict
                 raise ReportMismatch(f"{p}: sweep point {point['sequence_share']} is given twice")
             sweep.append(point)
     seeds.sort(key=lambda s: s["seed"])
+    # Every sweep point runs at one seed (``sweep_seed``): points of other seeds are not one sweep.
+    sweep_seeds = sorted({x["seed"] for x in sweep})
+    if len(sweep_seeds) > 1:
+        raise ReportMismatch(f"sweep points ran at seeds {sweep_seeds}: one sweep runs at one seed")
     # A sweep run apart from the headline (``--seeds none``) leaves out the headline's share: its point is the
-    # headline run of the sweep's seed, as in one run.
-    if sweep:
-        share0 = r0["config"]["synth"]["sequence_share"]
-        sweep_seed = r0["config"].get("sweep_seed", 0)
-        head = [s for s in seeds if s["seed"] == sweep_seed]
-        if head and not any(x["sequence_share"] == share0 for x in sweep):
+    # headline run of the sweep's seed (a part listing it is needed; without one the point is missing and said so).
+    notes = []
+    share0 = r0["config"]["synth"]["sequence_share"]
+    if sweep and not any(x["sequence_share"] == share0 for x in sweep):
+        head = [s for s in seeds if s["seed"] == sweep_seeds[0]]
+        if head:
             sweep.append(_sweep_point(share0, head[0], r0["data"]["positive_rate"]))
+        else:
+            notes.append(f"the sweep's headline share {share0:g} is missing: no part holds the headline run of "
+                         f"seed {sweep_seeds[0]}")
     sweep.sort(key=lambda x: x["sequence_share"])
     expected = tuple(expected_seeds) if expected_seeds is not None else (
         movielens_config() if r0["dataset"] == "movielens" else EvalConfig()).seeds
-    config = {**r0["config"], "seeds": [s["seed"] for s in seeds],
+    # The settings that may differ between parts come from the part with the lowest seed (it ran the curves),
+    # not from whichever part was named first.
+    base = min(((r["per_seed"][0]["seed"] if r["per_seed"] else math.inf, k) for k, (_, r) in enumerate(parts)))
+    config = {**parts[base[1]][1]["config"], "seeds": [s["seed"] for s in seeds],
               "sequence_shares": [x["sequence_share"] for x in sweep],
               "curves": any(s.get("curves") for s in seeds)}
+    if sweep_seeds:
+        config["sweep_seed"] = sweep_seeds[0]
     summaries = [_seed_summary(r) for r in seeds]
     # A part that stopped early wrote only its finished seeds, so "complete" asks for the expected seeds only.
     report = {**{k: r0[k] for k in ("dataset", "protocol", "data")}, "config": config,
-              "complete": sorted(where) == sorted(expected), "seeds": [s["seed"] for s in seeds],
+              # ... and every part that ran sweep points finished them.
+              "complete": sorted(where) == sorted(expected) and not notes
+                          and all(r["complete"] for _, r in parts if r.get("sweep")),
+              "seeds": [s["seed"] for s in seeds], "notes": notes,
               "summary": summaries, "targets": _targets(summaries), "per_seed": seeds, "sweep": sweep,
               "merged_from": [{"path": str(p), "seeds": [s["seed"] for s in r["per_seed"]],
                                "sweep": [x["sequence_share"] for x in r.get("sweep", [])],

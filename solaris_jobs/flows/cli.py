@@ -220,7 +220,8 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
               "data, checkpoints, replays and FM outputs are cached under it.")
 @click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0); 'none' runs only the "
-                                         "sweep (at seed 0), to be joined with evaluate-merge.")
+                                         "sweep, to be joined with evaluate-merge. The sweep always runs at seed 0: a "
+                                         "run of other seeds apart takes --sequence-shares none.")
 @click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 3 days, one seed, "
                                             "small models, no sweep (too small for the targets).")
 @click.option("--users", default=None, type=int, help="Synthetic users (default 5000; --quick 1000).")
