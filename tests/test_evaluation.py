@@ -332,10 +332,13 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
                                str(tmp_path / "m5"), "--seeds", "0"])
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "m5" / "report.json").read_text())
-    assert [x["sequence_share"] for x in m["sweep"]] == sorted([0.0, share0]) and m["complete"] is True
+    assert [x["sequence_share"] for x in m["sweep"]] == sorted([0.0, share0])
+    # Not complete: the sweep lacks two of the default shares, and the report says which.
+    assert m["complete"] is False and m["notes"] == ["the sweep lacks the sequence shares 0.25, 0.75 of 0, 0.25, "
+                                                     "0.5, 0.75"]
     head = next(x for x in m["sweep"] if x["sequence_share"] == share0)
     assert head["vm_bce"] == a["summary"][0]["vm_bce"] and head["positive_rate"] == a["data"]["positive_rate"]
-    assert m["config"]["sequence_shares"] == sorted([0.0, share0]) and not m["notes"]
+    assert m["config"]["sequence_shares"] == sorted([0.0, share0])
     # Named first, the sweep-only part does not give the merged report its settings; without the sweep seed's
     # headline run the headline share's point is said to be missing; points of two seeds are not one sweep.
     res = runner.invoke(main, ["evaluate-merge", str(tmp_path / "c" / "report.json"), a_path, "--out",
@@ -344,7 +347,7 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
     res = runner.invoke(main, ["evaluate-merge", b_path, str(tmp_path / "c" / "report.json"), "--out",
                                str(tmp_path / "m7"), "--seeds", "1"])
     m7 = json.loads((tmp_path / "m7" / "report.json").read_text())
-    assert res.exit_code == 0 and m7["complete"] is False and "missing" in m7["notes"][0]
+    assert res.exit_code == 0 and m7["complete"] is False and "share 0.5 is missing" in m7["notes"][0]
     c["sweep"] = [point, dict(point, sequence_share=0.75, seed=1)]
     (tmp_path / "c" / "report.json").write_text(json.dumps(c))
     res = runner.invoke(main, ["evaluate-merge", a_path, str(tmp_path / "c" / "report.json"), "--out",

@@ -711,8 +711,12 @@ def merge_reports(paths, out: Path, expected_seeds: tuple | None = None) -> dict
             notes.append(f"the sweep's headline share {share0:g} is missing: no part holds the headline run of "
                          f"seed {sweep_seeds[0]}")
     sweep.sort(key=lambda x: x["sequence_share"])
-    expected = tuple(expected_seeds) if expected_seeds is not None else (
-        movielens_config() if r0["dataset"] == "movielens" else EvalConfig()).seeds
+    default = movielens_config() if r0["dataset"] == "movielens" else EvalConfig()
+    expected = tuple(expected_seeds) if expected_seeds is not None else default.seeds
+    missing = sorted(set(default.sequence_shares) - {x["sequence_share"] for x in sweep})
+    if sweep and missing:
+        notes.append(f"the sweep lacks the sequence shares {', '.join(f'{m:g}' for m in missing)} of "
+                     f"{', '.join(f'{m:g}' for m in default.sequence_shares)}")
     # The settings that may differ between parts come from the part with the lowest seed (it ran the curves),
     # not from whichever part was named first.
     base = min(((r["per_seed"][0]["seed"] if r["per_seed"] else math.inf, k) for k, (_, r) in enumerate(parts)))
