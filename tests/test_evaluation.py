@@ -264,7 +264,8 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert _strip(load(tmp_path / "b")) == _strip(load(out))
     md = (out / "report.md").read_text()
     assert "## Targets" in md and "VM + SOLARIS, all tiers" in md
-    for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png"):
+    for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png",
+                "coverage_vs_cadence.png"):
         assert (out / png).stat().st_size > 5_000 and f"]({png})" in md
     # report.html is the same report on one page: its tables rendered, every plot inline (the PNG's own bytes).
     import base64
@@ -278,6 +279,15 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert [p["budget_per_row"] for p in cu["budget"]] == [0.5, 1.0]
     assert cu["budget"][0]["fm"]["fm_inferences"] < cu["budget"][1]["fm"]["fm_inferences"]
     assert {p["cadence"] for p in cu["cadence"]} == {"12h", "6h"}
+    # The post-hoc KD check: its own grid points (as many as every variant's), the best of both grids on validation,
+    # and the headline's KD unchanged beside it.
+    kc = report["per_seed"][0]["kd_grid_check"]
+    assert [g["params"]["kd_weight"] for g in kc["grid"]] == [0.05, 0.05]
+    head_valid, ext_valid = kc["headline_grid_best"]["valid_bce"], min(g["valid_bce"] for g in kc["grid"])
+    assert kc["best"]["valid_bce"] == min(head_valid, ext_valid)
+    assert kc["best"]["from"] == ("check grid" if ext_valid < head_valid else "headline grid")
+    assert kc["variants"]["vm_kd"]["bce"] == report["per_seed"][0]["headline"]["test"]["variants"]["vm_kd"]["bce"]
+    assert "Post hoc: VM + KD on a wider grid" in md
 
 
 def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(tiny_eval, tmp_path):

@@ -277,6 +277,23 @@ def markdown(report: dict, files: dict) -> str:
         c = te.get("criterion")
         if c:
             L += ["", _verdict(c, te["variants"].get("vm_kd"))]
+    kc = first.get("kd_grid_check")
+    if kc:
+        b, t = kc["best"], kc["variants"]
+        L += ["", f"## Post hoc: VM + KD on a wider grid (seed {first['seed']})", "",
+              "Not a headline setting: added after the headline runs because KD's best point was its grid's corner "
+              "(the smallest weight and temperature). VM + KD is also trained at weight x temperature "
+              f"{', '.join(_point(g['params']) for g in kc['grid'])}"
+              f"; the best of both grids on validation is {_params(b['params'])} ({b['from']}, valid BCE "
+              f"{_f(b['valid_bce'], 5)}; the headline's {_params(kc['headline_grid_best']['params'])}, "
+              f"{_f(kc['headline_grid_best']['valid_bce'], 5)}).", "",
+              "| | test BCE [95%] | TR [95%] |", "|---|---|---|"]
+        for k, name in (("vm_kd", "VM + KD (headline grid)"), ("vm_kd_best", "VM + KD (best of both grids)"),
+                        ("solaris", "VM + SOLARIS, all tiers")):
+            v = t[k]
+            L.append(f"| {name} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['tr'], 3)}{_ci(v['tr_ci'])} |")
+        if kc.get("criterion"):
+            L += ["", _verdict(kc["criterion"], t["vm_kd_best"])]
     if report.get("sweep"):
         L += ["", "## Sweep: share of the label signal only a sequence model can see (seed "
               f"{report['sweep'][0].get('seed', report['config'].get('sweep_seed', 0))} each)", "",
@@ -307,8 +324,9 @@ def apply_kd_rule(obj) -> None:
     if isinstance(obj, dict):
         c = obj.get("criterion")
         if isinstance(c, dict) and "ci" in c:
-            kd = (obj.get("variants") or {}).get("vm_kd") or {}
-            ci = kd.get("tr_ci") if kd else (obj.get("tr_ci") or {}).get("vm_kd")
+            name = c.get("kd", "vm_kd")
+            kd = (obj.get("variants") or {}).get(name) or {}
+            ci = kd.get("tr_ci") if kd else (obj.get("tr_ci") or {}).get(name)
             c["kd_transfers"] = transfers(ci)
             c["met"] = bool(c["ci"][0] > 0) if c["kd_transfers"] else None
         for v in obj.values():
@@ -316,6 +334,14 @@ def apply_kd_rule(obj) -> None:
     elif isinstance(obj, list):
         for v in obj:
             apply_kd_rule(v)
+
+
+def _point(p: dict) -> str:
+    return f"({p['kd_weight']:g}, {p['kd_temperature']:g})"
+
+
+def _params(p: dict) -> str:
+    return f"weight {p['kd_weight']:g}, temperature {p['kd_temperature']:g}"
 
 
 def _verdict(c: dict, kd: dict | None) -> str:

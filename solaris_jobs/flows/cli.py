@@ -222,7 +222,7 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 @click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0); 'none' runs only the "
                                          "sweep, to be joined with evaluate-merge. The sweep always runs at seed 0: a "
                                          "run of other seeds apart takes --sequence-shares none.")
-@click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 3 days, one seed, "
+@click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 2.5 days, one seed, "
                                             "small models, no sweep (too small for the targets).")
 @click.option("--users", default=None, type=int, help="Synthetic users (default 5000; --quick 1000).")
 @click.option("--sequence-shares", default=None,
