@@ -127,7 +127,8 @@ def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
 TINY = ev.EvalConfig(
     synth=SynthConfig(users=250, items=200, days=2, seed=3, calibration_users=250), seeds=(0,), sequence_shares=(),
     train_days=1.0, served_days=0.5, test_days=0.5, valid_hours=4.0, fm_valid_hours=4.0, cadence="6h",
-    budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence=None, n_candidates=10, n_boot=50, vm_epochs=2,
+    budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence="3h", fast_hours_before=6.0, fast_hours_after=6.0,
+    n_candidates=10, n_boot=50, vm_epochs=2,
     vm_batch_size=512, grid_points=2, spark_master="local[2]",
     models=ModelsConfig(d_model=16, n_layers=1, d_interaction=32, d_code=8, history_len=10, fm_epochs=1,
                         vm_epochs=2, max_train_rows=None))
@@ -181,22 +182,35 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
         emb = emb.set_index(["user_id", "item_id"])["embedding"]
         want = np.stack(emb.loc[list(zip(rows.user_id, rows.item_id))].to_numpy())
         np.testing.assert_array_equal(np.stack(rows.embedding.to_numpy()), want)
-    # Every row, whatever its tier, was served from the store as the latest refresh visible at its time left it:
-    # that refresh's outputs were visible before the request and the next refresh's were not yet.
+    _served_by_latest_visible_refresh(served, rec)
+    assert served.event_timestamp.min() >= t1 and (served.refresh[served.tier < 3] >= 0).all()
+    assert report["per_seed"][0]["headline"]["coverage"]["test"]["rows"] == int((served.event_timestamp >= t2).sum())
+    # The fast-cadence replay (its own, switching from the hourly refreshes at its window's start) obeys the same.
+    fc = seed["curves"]["fast_cadence"]
+    fast_dir = out / "seed0" / f"replay-fast-{TINY.fast_cadence}"
+    fast_rec = json.loads((fast_dir / "replay.json").read_text())
+    switch = pd.Timestamp(fc["switch_at"])
+    assert [pd.Timestamp(r["cutoff"]) for r in fast_rec["refreshes"]] == list(
+        pd.date_range(switch, pd.Timestamp(fc["window"][1]), freq=TINY.fast_cadence, inclusive="left"))
+    fast = replay.read_served(fast_dir).to_pandas()
+    assert fast.event_timestamp.min() >= switch and len(fast) > 0
+    _served_by_latest_visible_refresh(fast, fast_rec)
+
+
+def _served_by_latest_visible_refresh(served: pd.DataFrame, rec: dict) -> None:
+    """Every row, whatever its tier, was served from the store as the latest refresh visible at its time left it
+    (that refresh's outputs were visible before the request and the next refresh's were not yet), and nothing it
+    served is younger than the refresh that made it: a row's source time is that refresh's cutoff or earlier."""
+    visible = {pd.Timestamp(r["cutoff"]): pd.Timestamp(r["visible_at"]) for r in rec["refreshes"]}
     cut = sorted(visible)
     vis = np.array([visible[c].value for c in cut])
     ns = lambda col: np.array([t.value for t in col])
-    ts = ns(served.event_timestamp)
-    latest = np.searchsorted(vis, ts, side="right") - 1          # -1: before the first refresh was visible
+    latest = np.searchsorted(vis, ns(served.event_timestamp), side="right") - 1   # -1: before the first was visible
     np.testing.assert_array_equal(served.refresh.to_numpy(), latest)
-    # ... and nothing it served is younger than the refresh that made it: a row's source time is that refresh's
-    # cutoff or an earlier one.
-    has = served.tier.to_numpy() < 3
+    has = (served.tier.to_numpy() < 3) & (latest >= 0)
     src_all = (served.event_timestamp - pd.to_timedelta(served.age_s, unit="s")).dt.round("s")[has]
     own = np.array([cut[r].value for r in served.refresh.to_numpy()[has]])
-    assert (ns(src_all) <= own).all()
-    assert served.event_timestamp.min() >= t1 and (served.refresh[has] >= 0).all()
-    assert report["per_seed"][0]["headline"]["coverage"]["test"]["rows"] == int((served.event_timestamp >= t2).sum())
+    assert has.sum() > 0 and (ns(src_all) <= own).all()
 
 
 def test_vm_features_come_from_the_same_reader_and_clock_as_serving(tiny_eval):
@@ -279,6 +293,14 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert [p["budget_per_row"] for p in cu["budget"]] == [0.5, 1.0]
     assert cu["budget"][0]["fm"]["fm_inferences"] < cu["budget"][1]["fm"]["fm_inferences"]
     assert {p["cadence"] for p in cu["cadence"]} == {"12h", "6h"}
+    # The fast cadence: the same test rows of its window served at 3 h, 6 h and 12 h, each with its coverage and the
+    # headline VM's TR, and what the fast replay's FM inferences cost per served row.
+    fc = cu["fast_cadence"]
+    assert set(fc["coverage"]) == {"3h", "6h", "12h"}
+    rows = {k: c["headline_vm"]["rows"] for k, c in fc["coverage"].items()}
+    assert len(set(rows.values())) == 1 and rows["3h"] > 0
+    assert all(0 <= c["any_tier"] <= 1 for c in fc["coverage"].values())
+    assert fc["fast_fm_per_row"] > 0 and "Fast cadence" in md
     # The post-hoc KD check: its own grid points (as many as every variant's), the best of both grids on validation,
     # and the headline's KD unchanged beside it.
     kc = report["per_seed"][0]["kd_grid_check"]

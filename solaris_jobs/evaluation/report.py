@@ -255,7 +255,8 @@ def markdown(report: dict, files: dict) -> str:
                      f"{_f(p['coverage']['any_tier'], 3)} | {_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
         fc = cu.get("fast_cadence")
         if fc:
-            L += ["", f"Fast cadence: its own replay, switching from hourly at {fc['switch_at']}; coverage of the test "
+            L += ["", f"Fast cadence: its own replay, switching from the {report['config']['cadence']} refreshes at "
+                  f"{fc['switch_at']}; coverage of the test "
                   f"rows in [{fc['window'][0]}, {fc['window'][1]}) (FM inferences per served row at "
                   f"{report['config']['fast_cadence']}: {_f(fc['fast_fm_per_row'], 3)}):", "",
                   "| cadence | pair | any tier | pair / ceiling | TR of the headline VM (trained at "
