@@ -297,18 +297,22 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     # headline VM's TR, and what the fast replay's FM inferences cost per served row.
     fc = cu["fast_cadence"]
     assert set(fc["coverage"]) == {"3h", "6h", "12h"}
-    rows = {k: c["headline_vm"]["rows"] for k, c in fc["coverage"].items()}
-    assert len(set(rows.values())) == 1 and rows["3h"] > 0
-    assert all(0 <= c["any_tier"] <= 1 for c in fc["coverage"].values())
+    rows = {k: c["rows"] for k, c in fc["coverage"].items()}            # counted in each cadence's own served rows
+    assert len(set(rows.values())) == 1 and rows["3h"] == fc["coverage"]["3h"]["headline_vm"]["rows"] > 0
     assert fc["fast_fm_per_row"] > 0 and "Fast cadence" in md
     # The post-hoc KD check: its own grid points (as many as every variant's), the best of both grids on validation,
     # and the headline's KD unchanged beside it.
     kc = report["per_seed"][0]["kd_grid_check"]
     assert [g["params"]["kd_weight"] for g in kc["grid"]] == [0.05, 0.05]
+    vm_params = report["per_seed"][0]["variants"]["vm"]["params"]
+    assert all({k: g["params"][k] for k in vm_params} == vm_params for g in kc["grid"])
     head_valid, ext_valid = kc["headline_grid_best"]["valid_bce"], min(g["valid_bce"] for g in kc["grid"])
     assert kc["best"]["valid_bce"] == min(head_valid, ext_valid)
     assert kc["best"]["from"] == ("check grid" if ext_valid < head_valid else "headline grid")
     assert kc["variants"]["vm_kd"]["bce"] == report["per_seed"][0]["headline"]["test"]["variants"]["vm_kd"]["bce"]
+    if kc["best"]["from"] == "headline grid":
+        assert kc["variants"]["vm_kd_best"]["bce"] == kc["variants"]["vm_kd"]["bce"]
+    assert kc["criterion"] is None or kc["criterion"]["kd"] == "vm_kd_best"
     assert "Post hoc: VM + KD on a wider grid" in md
 
 

@@ -345,7 +345,7 @@ def run_seed(ctx: SeedContext, share_label: str, with_curves: bool, names=None) 
     if with_curves:
         res["curves"] = _curves(ctx, models, base, base_out, plan, tab, fits, served_at, every)
         res["secondary_t1_only"] = _secondary(ctx, tab, served, every, names)
-        if "vm_kd" in fits and "solaris" in fits:
+        if {"vm", "vm_kd", "solaris"} <= set(fits):
             res["kd_grid_check"] = _kd_grid_check(ctx, tab, fits)
     res["timings"]["seed_s"] = round(time.perf_counter() - t_seed, 1)
     return res
@@ -378,9 +378,7 @@ def _kd_grid_check(ctx: SeedContext, tab, fits: dict) -> dict:
     of both grids on validation, its test BCE and TR, and the 1.5x criterion of the all-tiers VM against it. Says
     whether the headline's KD was under-tuned; the headline numbers stay as they were run."""
     cfg = ctx.cfg
-    base = {k: fits["vm"]["params"][k] for k in ("lr", "weight_decay", "dropout")} if "vm" in fits else \
-        {k: fits["vm_kd"]["params"][k] for k in ("lr", "weight_decay", "dropout")}
-    grid = [{**base, **g} for g in variants.KD_CHECK_GRID[:cfg.grid_points]]
+    grid = variants.kd_grid(fits["vm"]["params"], variants.KD_CHECK_GRID[:cfg.grid_points])
     ext = variants.train_variants(tab, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, ["vm_kd"], {"vm_kd": grid},
                                   cache=ctx.out / "vm_cache")["vm_kd"]
     head = fits["vm_kd"]

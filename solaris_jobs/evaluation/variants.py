@@ -50,6 +50,13 @@ assert len(KD_GRID) == GRID_SIZE
 # below and between that corner's neighbours and reports the union's best beside the headline (never in its place).
 KD_CHECK_GRID = [{"kd_weight": a, "kd_temperature": t} for a, t in itertools.product((0.05, 0.1, 0.3), (1.0, 2.0))]
 
+
+
+def kd_grid(chosen: dict, points) -> list[dict]:
+    """A KD variant's grid: the KD ``points`` on top of the base hyperparameters its non-KD twin ``chosen``."""
+    return [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in points]
+
+
 # name -> (FM input: None | "served" | "oracle", tiers kept, embeddings zeroed, KD, base variant for KD)
 VARIANTS = {
     "vm": (None, (), False, False, None),
@@ -260,8 +267,7 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
             p = params_of[name]
             grid = list(p) if isinstance(p, (list, tuple)) else [p]
         elif kd:
-            chosen = out[base]["params"] if base in out else BASE_GRID[0]
-            grid = [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in KD_GRID[:grid_points]]
+            grid = kd_grid(out[base]["params"] if base in out else BASE_GRID[0], KD_GRID[:grid_points])
         else:
             grid = BASE_GRID[:grid_points]
         path = None
