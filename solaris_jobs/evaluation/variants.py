@@ -51,7 +51,6 @@ assert len(KD_GRID) == GRID_SIZE
 KD_CHECK_GRID = [{"kd_weight": a, "kd_temperature": t} for a, t in itertools.product((0.05, 0.1, 0.3), (1.0, 2.0))]
 
 
-
 def kd_grid(chosen: dict, points) -> list[dict]:
     """A KD variant's grid: the KD ``points`` on top of the base hyperparameters its non-KD twin ``chosen``."""
     return [{**{k: chosen[k] for k in ("lr", "weight_decay", "dropout")}, **g} for g in points]
