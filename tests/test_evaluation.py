@@ -316,6 +316,47 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert "Post hoc: VM + KD on a wider grid" in md
 
 
+def test_cached_models_are_reused_only_for_the_same_training_code(tiny_eval, tmp_path, monkeypatch):
+    """The models' cache key holds a hash of the training code: the same code reuses the checkpoints, other code
+    retrains (a seed's models once came through this cache from older code). The hash follows the source's content
+    and relative paths, not where the tree lies."""
+    import shutil
+    import sys
+    from solaris_jobs.evaluation import protocol as pr
+    out, _ = tiny_eval
+    stamp = next(out.rglob("models/trained.json"))
+    key = json.loads(stamp.read_text())["key"]
+    assert key["code"] == pr.code_version(pr.MODEL_CODE)
+    models = tmp_path / "models"
+    shutil.copytree(stamp.parent, models)
+    args = (Path(key["root"]), pr.Protocol.from_dict(key["protocol"]), key["seed"], models, TINY.models)
+    written = lambda: (models / "fm.pt").stat().st_mtime_ns
+    before = written()
+    assert pr.train_models(*args) == json.loads(stamp.read_text())["metrics"]
+    assert written() == before                                            # reused, not retrained
+    monkeypatch.setattr(pr, "code_version", lambda modules=pr.MODEL_CODE: "other-code")
+    pr.train_models(*args)
+    assert json.loads((models / "trained.json").read_text())["key"]["code"] == "other-code"
+    assert written() != before                                            # retrained: a new checkpoint
+    monkeypatch.undo()
+    # code_version itself, on a package written here: an edit (a comment too) changes it, a copy elsewhere does not.
+    for where in ("a", "b"):
+        (tmp_path / where / "pkgx").mkdir(parents=True)
+        (tmp_path / where / "pkgx" / "__init__.py").write_text("X = 1\n")
+        (tmp_path / where / "pkgx" / "m.py").write_text("def f():\n    return 1\n")
+    versions = []
+    for where, edit in (("a", None), ("b", None), ("a", "# a comment\n")):
+        if edit:
+            with open(tmp_path / where / "pkgx" / "m.py", "a") as f:
+                f.write(edit)
+        monkeypatch.syspath_prepend(str(tmp_path / where))
+        versions.append(pr.code_version(("pkgx",)))
+        sys.path.remove(str(tmp_path / where))
+    assert versions[0] == versions[1] != versions[2]
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        pr.code_version(("no_such_module",))
+
+
 def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(tiny_eval, tmp_path):
     """``solaris evaluate-merge``: seeds run on other machines or sessions join one report; the summary and targets
     are recomputed over all seeds; a repeated seed or another evaluation's settings is refused by name."""

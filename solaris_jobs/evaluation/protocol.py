@@ -7,6 +7,8 @@ are trained on ``[t0, t1)`` only (their early stopping on the last ``fm_valid_ho
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -18,6 +20,29 @@ import pandas as pd
 from solaris_jobs.core.events import to_utc
 
 logger = logging.getLogger(__name__)
+
+# The code each cached output depends on (modules or packages). A cache entry written by other code is not reused:
+# once, a seed's models came through this cache from training code older than the run's (BENCHMARKS.md, #11).
+MODEL_CODE = ("models", "solaris_jobs.core", "solaris_jobs.learning.training")
+REPLAY_CODE = MODEL_CODE + ("solaris_jobs.pipeline", "solaris_jobs.online", "solaris_jobs.learning.replay",
+                            "solaris_jobs.data.requests")
+VARIANT_CODE = MODEL_CODE + ("solaris_jobs.evaluation.variants",)
+
+
+def code_version(modules: tuple = MODEL_CODE) -> str:
+    """A hash of the source of ``modules`` (every ``.py`` file of a package), by content and relative path: it
+    changes with any edit to that code, comments included, and not with where the tree is checked out."""
+    h = hashlib.sha256()
+    for name in sorted(modules):
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"code_version: no module {name!r}")
+        origin = Path(spec.origin)
+        files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
+        for f in files:
+            h.update(f"{name}:{f.relative_to(origin.parent).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -83,7 +108,7 @@ class ModelsConfig:
 
 def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig) -> dict:
     """Trains fm.pt, ae.pt and vm.pt (the verifier) into ``out`` on ``[t0, t1)`` (reused when ``out`` holds them for
-    the same data, protocol, seed and settings).
+    the same data, protocol, seed, settings and training code).
 
     Returns:
         {"fm", "ae", "vm"}: each model's metrics (its validation inside ``[t0, t1)``; the test split of these
@@ -91,7 +116,8 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     """
     from solaris_jobs.learning import training
     out = Path(out)
-    key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg)}
+    key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg),
+           "code": code_version(MODEL_CODE)}
     stamp = out / "trained.json"
     if stamp.exists() and all((out / f"{k}.pt").exists() for k in ("fm", "ae", "vm")):
         done = json.loads(stamp.read_text())

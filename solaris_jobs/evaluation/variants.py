@@ -36,6 +36,7 @@ import pandas as pd
 import pyarrow as pa
 
 from solaris_jobs.core.contract import TIER_NONE, TIERS
+from solaris_jobs.evaluation.protocol import VARIANT_CODE, code_version
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ def fm_outputs(data, fm_path, ae_path, protocol, cache: Path) -> dict:
     from solaris_jobs.learning.training import predict
     fm, fm_meta = load_checkpoint(fm_path, kind="fm")
     ae, ae_meta = load_checkpoint(ae_path, kind="ae")
-    path = Path(cache) / f"fm_outputs-{fm_meta['model_version']}-{ae_meta['model_version']}.npz"
+    path = (Path(cache) / f"fm_outputs-{fm_meta['model_version']}-{ae_meta['model_version']}"
+            f"-{code_version(VARIANT_CODE)}.npz")
     t1_us = protocol.t1.value // 1000
     if path.exists():
         z = np.load(path)
@@ -259,6 +261,7 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
     names = list(names or VARIANTS)
     out: dict = {}
     tab_key = fingerprint(tab) if cache is not None else None
+    code = code_version(VARIANT_CODE) if cache is not None else None
     for name in names:
         t0 = time.perf_counter()
         kd, base = VARIANTS[name][3], VARIANTS[name][4]
@@ -271,8 +274,8 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
             grid = BASE_GRID[:grid_points]
         path = None
         if cache is not None:
-            key = json.dumps({"t": tab_key, "v": name, "g": grid, "s": seed, "e": epochs, "b": batch_size},
-                             sort_keys=True)
+            key = json.dumps({"t": tab_key, "v": name, "g": grid, "s": seed, "e": epochs, "b": batch_size,
+                              "c": code}, sort_keys=True)
             path = Path(cache) / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
         if path is not None and path.exists():
             model, meta = load_checkpoint(path, kind="vm")
