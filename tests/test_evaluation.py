@@ -316,17 +316,22 @@ def test_same_seed_same_report(tiny_eval, tmp_path):
     assert "Post hoc: VM + KD on a wider grid" in md
 
 
-def test_cached_models_are_reused_only_for_the_same_training_code(tiny_eval, tmp_path, monkeypatch):
+def test_cached_outputs_are_reused_only_for_the_same_code_and_data(tiny_eval, tmp_path, monkeypatch):
     """The models' cache key holds a hash of the training code: the same code reuses the checkpoints, other code
-    retrains (a seed's models once came through this cache from older code). The hash follows the source's content
-    and relative paths, not where the tree lies."""
+    retrains (a seed's models once came through this cache from older code), and the replays and FM outputs carry
+    their code's hash too. The hash follows the source's content and relative paths, not where the tree lies."""
     import shutil
     import sys
     from solaris_jobs.evaluation import protocol as pr
     out, _ = tiny_eval
     stamp = next(out.rglob("models/trained.json"))
     key = json.loads(stamp.read_text())["key"]
-    assert key["code"] == pr.code_version(pr.MODEL_CODE)
+    assert key["code"] == pr.code_version(pr.MODEL_CODE) and key["data"] == pr.data_version(Path(key["root"]))
+    # Every replay (headline, derived, fast) and the FM outputs are keyed on their code and data too.
+    replays = [json.loads(p.read_text())["key"] for p in out.rglob("done.json")]
+    assert len(replays) >= 3 and all(k["code"] == pr.code_version(pr.REPLAY_CODE) for k in replays)
+    assert all(k["data"] == key["data"] for k in replays if "data" in k) and any("data" in k for k in replays)
+    assert list(out.rglob(f"fm_outputs-*-{pr.code_version(pr.VARIANT_CODE)}.npz"))
     models = tmp_path / "models"
     shutil.copytree(stamp.parent, models)
     args = (Path(key["root"]), pr.Protocol.from_dict(key["protocol"]), key["seed"], models, TINY.models)
@@ -350,11 +355,17 @@ def test_cached_models_are_reused_only_for_the_same_training_code(tiny_eval, tmp
             with open(tmp_path / where / "pkgx" / "m.py", "a") as f:
                 f.write(edit)
         monkeypatch.syspath_prepend(str(tmp_path / where))
-        versions.append(pr.code_version(("pkgx",)))
+        versions.append(pr.source_hash(("pkgx",)))
         sys.path.remove(str(tmp_path / where))
     assert versions[0] == versions[1] != versions[2]
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):
-        pr.code_version(("no_such_module",))
+        pr.source_hash(("no_such_module",))
+    # Hashed once per process: an edit during a run does not relabel what the loaded code made.
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    loaded = pr.code_version(("pkgx",))
+    with open(tmp_path / "a" / "pkgx" / "m.py", "a") as f:
+        f.write("# edited during the run\n")
+    assert pr.code_version(("pkgx",)) == loaded == versions[2] != pr.source_hash(("pkgx",))
 
 
 def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(tiny_eval, tmp_path):

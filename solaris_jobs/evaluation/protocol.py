@@ -23,26 +23,50 @@ logger = logging.getLogger(__name__)
 
 # The code each cached output depends on (modules or packages). A cache entry written by other code is not reused:
 # once, a seed's models came through this cache from training code older than the run's (BENCHMARKS.md, #11).
-MODEL_CODE = ("models", "solaris_jobs.core", "solaris_jobs.learning.training")
+MODEL_CODE = ("models", "solaris_jobs.core", "solaris_jobs.learning.training", "solaris_jobs.pipeline.model_refs")
 REPLAY_CODE = MODEL_CODE + ("solaris_jobs.pipeline", "solaris_jobs.online", "solaris_jobs.learning.replay",
-                            "solaris_jobs.data.requests")
+                            "solaris_jobs.data.requests", "solaris_jobs.evaluation.run",
+                            "solaris_jobs.evaluation.curves")
 VARIANT_CODE = MODEL_CODE + ("solaris_jobs.evaluation.variants",)
+_LOADED: dict[tuple, str] = {}
 
 
-def code_version(modules: tuple = MODEL_CODE) -> str:
-    """A hash of the source of ``modules`` (every ``.py`` file of a package), by content and relative path: it
-    changes with any edit to that code, comments included, and not with where the tree is checked out."""
+def source_hash(modules: tuple) -> str:
+    """A hash of the source of ``modules`` (every ``.py`` file of a package) as it is on disk now, by content and
+    relative path: it changes with any edit to that code, comments included, and not with where the tree lies."""
     h = hashlib.sha256()
     for name in sorted(modules):
         spec = importlib.util.find_spec(name)
         if spec is None or spec.origin is None:
-            raise ModuleNotFoundError(f"code_version: no module {name!r}")
+            raise ModuleNotFoundError(f"no module {name!r} to hash")
         origin = Path(spec.origin)
         files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
         for f in files:
             h.update(f"{name}:{f.relative_to(origin.parent).as_posix()}\0".encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:12]
+
+
+def code_version(modules: tuple = MODEL_CODE) -> str:
+    """``source_hash(modules)`` as this process first saw it: hashed once, so that an edit to the tree during a long
+    run does not stamp the outputs of the code already loaded with the new code's hash (``evaluate`` calls
+    ``freeze_code_versions`` before any work)."""
+    if modules not in _LOADED:
+        _LOADED[modules] = source_hash(modules)
+    return _LOADED[modules]
+
+
+def freeze_code_versions() -> dict:
+    return {name: code_version(mods) for name, mods in
+            (("models", MODEL_CODE), ("replay", REPLAY_CODE), ("variants", VARIANT_CODE))}
+
+
+def data_version(root: Path) -> str:
+    """A hash of the data set's manifest (its generator version, configuration, calibration and counts; not its
+    generation time): a data set regenerated at the same path is another data set."""
+    made = json.loads((Path(root) / "manifest.json").read_text())
+    made = {k: v for k, v in made.items() if k != "seconds"}
+    return hashlib.sha256(json.dumps(made, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -117,7 +141,7 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     from solaris_jobs.learning import training
     out = Path(out)
     key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg),
-           "code": code_version(MODEL_CODE)}
+           "code": code_version(MODEL_CODE), "data": data_version(root)}
     stamp = out / "trained.json"
     if stamp.exists() and all((out / f"{k}.pt").exists() for k in ("fm", "ae", "vm")):
         done = json.loads(stamp.read_text())

@@ -31,7 +31,7 @@ from solaris_jobs.core.events import to_utc
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation import curves, metrics, variants
 from solaris_jobs.evaluation.protocol import (REPLAY_CODE, ModelsConfig, Protocol, by_days, by_quantiles, code_version,
-                                             train_models)
+                                             data_version, freeze_code_versions, train_models)
 from solaris_jobs.online.views import duration
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,8 @@ def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget:
     from solaris_jobs.learning import replay
     out = ctx.out / name
     key = {"cfg": ctx.cfg.replay_key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
-           "budget": budget, "root": str(ctx.root), "warm": warm_key, "code": code_version(REPLAY_CODE)}
+           "budget": budget, "root": str(ctx.root), "warm": warm_key, "code": code_version(REPLAY_CODE),
+           "data": data_version(ctx.root)}
     done = _cached_json(out / "done.json", key)
     if done is not None and (out / "served.parquet").exists():
         logger.info("reusing replay %s", out)
@@ -222,7 +223,7 @@ def _replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget:
 def _derived(ctx: SeedContext, models, base_rec: dict, base_out: Path, plan, budget: float, every: int) -> Path:
     out = ctx.out / f"derived-b{budget:g}-x{every}"
     key = {"base": str(base_out), "base_wall": base_rec.get("wall_s"), "budget": budget, "every": every,
-           "models": models.to_dict(), "code": code_version(REPLAY_CODE + ("solaris_jobs.evaluation.curves",))}
+           "models": models.to_dict(), "code": code_version(REPLAY_CODE)}
     if _cached_json(out / "done.json", key) is not None and (out / "served.parquet").exists():
         return out
     if out.exists():
@@ -620,6 +621,7 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    freeze_code_versions()          # the code as loaded now keys the caches, whatever is edited during the run
     t_all = time.perf_counter()
     spark = jobs.session(Settings(spark_master=cfg.spark_master, spark_log_level="ERROR",
                                   spark_driver_memory="6g"), "evaluate")
