@@ -19,6 +19,15 @@ The settings are fixed here, before any run, and are the product's defaults exce
   padding row, which costs the same as any other;
 - materialize: ``expire_from write`` (the log is in the past), every view.
 
+``--config evaluated`` (added 2026-12-04, after the default configuration's runs and before any run of its own)
+runs the same log, models and interval with the refresh settings the replay evaluation (#11) measured instead of
+the product's defaults: taken from ``solaris_jobs.evaluation.run``'s own ``EvalConfig`` and ``_settings`` (so they
+cannot drift): a budget of 0.5 FM pair inferences per served row over one global ranking by recency, the pool =
+pairs ranked in the last 24 h + 20 simulator candidates per active user + misses, no negative exclusion, the whole
+log as lookback, 24 h aggregate window; ``knn_requery all`` (the evaluation's default too). #13 asks that "its
+budgeted candidate pool must scale too" and that outputs stay what the evaluation measured: this is that pool.
+Its figures go to ``scale_evaluated.json`` / ``.png``; the default configuration's stay in ``scale.json``.
+
 Saves benchmarks/results/scale.json and benchmarks/results/scale.png (time and memory vs users, log-log, with the
 linear reference through the smallest size).
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 import os
 import subprocess
 import sys
@@ -56,18 +66,36 @@ def train_models(data: Path, out: Path) -> dict:
     return {"seconds": round(time.perf_counter() - t0, 1), "trained_on": str(data)}
 
 
-def one_size(users: int, items: int, days: float, work: Path, models: Path, master: str) -> dict:
+def settings_for(config: str, data: Path, offline: Path, models: Path, master: str):
+    """The refresh settings of ``config``: ``default`` (the product's defaults, with the overrides of the docstring)
+    or ``evaluated`` (what the replay evaluation measured, from its own code)."""
+    from dataclasses import replace
+
+    from solaris_jobs.core.settings import Settings, apply_flags
+    if config == "evaluated":
+        from solaris_jobs.evaluation import run as ev
+        cfg = ev.EvalConfig()
+        s = ev._settings(cfg, data, offline, models, cfg.budget)
+        return replace(s, spark_master=master, spark_log_level="WARN")
+    return apply_flags(Settings(data=str(data), offline=str(offline), models=str(models), spark_master=master), {
+        "precompute.active_hours": 24.0, "precompute.lookback_days": 30.0,
+        "precompute.simulator.n_candidates": 100,               # half of them popular
+        "precompute.knn_requery": "all"})
+
+
+def one_size(users: int, items: int, days: float, work: Path, models: Path, master: str,
+             config: str = "default") -> dict:
     """Generates the log for ``users``, then runs its last hour through every stage; the figures as a dict."""
     import pandas as pd
 
-    from solaris_jobs.core.settings import Settings, apply_flags
     from solaris_jobs.data import synth
     from solaris_jobs.online import store_config
     from solaris_jobs.online.materialize import materialize
     from solaris_jobs.pipeline import jobs
     from tests.support import RedisServer, feast_yaml
 
-    data, offline = work / f"data_{users}", work / f"offline_{users}"
+    data = work / f"data_{users}"
+    offline = work / (f"offline_{users}" if config == "default" else f"offline_{config}_{users}")
     cfg = synth.SynthConfig(users=users, items=items, days=days, seed=0)
     if (data / "manifest.json").exists():                  # a log of an earlier run of the same size
         gen = {"reused": True, "rows": json.loads((data / "manifest.json").read_text())["events"]}
@@ -84,10 +112,10 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
         print(f"trained the models on it in {model_info['seconds']} s", flush=True)
     end = pd.Timestamp(cfg.start) + pd.Timedelta(days=days)
     start = end - pd.Timedelta(hours=1)
-    s = apply_flags(Settings(data=str(data), offline=str(offline), models=str(models), spark_master=master), {
-        "precompute.active_hours": 24.0, "precompute.lookback_days": 30.0,
-        "precompute.simulator.n_candidates": 100,               # half of them popular
-        "precompute.knn_requery": "all"})
+    if offline.exists():                                   # outputs of an earlier run: the interval starts clean
+        import shutil
+        shutil.rmtree(offline)
+    s = settings_for(config, data, offline, models, master)
     stages: dict = {}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server, PeakRSS() as total:
         t_all = time.perf_counter()
@@ -123,7 +151,8 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
         print(f"  materialize: {stages['materialize']['seconds']} s", flush=True)
         wall = time.perf_counter() - t_all
     sel, emb = stages["select"]["stats"], stages["embed"]["stats"]
-    return {"users": users, "items": items, "days": days, "generate": gen, "models": model_info,
+    return {"users": users, "config": config, "items": items, "days": days, "generate": gen, "models": model_info,
+            "precompute": asdict(s.precompute),
             "interval": [start.isoformat(), end.isoformat()], "spark_start_seconds": spark_start,
             "stages": stages, "seconds": round(wall, 1), "peak_rss_mb": round(total.peak / 2**20),
             "active_users": sel["users"], "pairs_considered": sel["pairs_considered"],
@@ -159,14 +188,16 @@ def main() -> None:
     ap.add_argument("--days", type=float, default=2.0)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--work", default=None, help="Folder for logs, models and outputs (default: a temporary one).")
-    ap.add_argument("--out", default=str(OUT / "scale.json"))
+    ap.add_argument("--config", choices=("default", "evaluated"), default="default",
+                    help="The refresh settings: the product's defaults, or those the replay evaluation measured.")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/scale.json (scale_evaluated.json)")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)   # the child process of one size
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out or OUT / ("scale.json" if args.config == "default" else f"scale_{args.config}.json"))
     if args.one:
         work = Path(args.work)
-        r = one_size(args.one, args.items, args.days, work, work / "models", args.master)
+        r = one_size(args.one, args.items, args.days, work, work / "models", args.master, args.config)
         print("RESULT " + json.dumps(r, default=str), flush=True)
         return
     if args.plot_only:
@@ -177,7 +208,7 @@ def main() -> None:
     for n in args.users:
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, __file__, "--one", str(n), "--items", str(args.items), "--days",
-                                 str(args.days), "--master", args.master, "--work", str(work)],
+                                 str(args.days), "--master", args.master, "--work", str(work), "--config", args.config],
                                 stdout=subprocess.PIPE, text=True)
         r = None
         for line in proc.stdout:
