@@ -120,6 +120,9 @@ def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
     log = spark.createDataFrame([(1, 1, ts(h)) for h in np.linspace(0, 23, 10)],
                                 "user_id long, item_id long, event_timestamp timestamp")
     assert pc.budget_pairs(log, T0 + pd.Timedelta(hours=18), T0 + pd.Timedelta(hours=24), 0.5, 24) == (2, 2.5)
+    # At scale: 9.5M rows in 24 h (100K users of the scale benchmark) overflowed int64 nanoseconds as a Timedelta.
+    assert pc.expected_rows(9_500_000, T0, T0 + pd.Timedelta(hours=1), 24) == 9_500_000 / 24
+    assert pc.expected_rows(48, T0, T0 + pd.Timedelta(hours=1), 24) == 2.0
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -305,8 +305,15 @@ def budget_pairs(prior, start, cutoff, budget_per_row: float, window_hours: floa
     t = pd.Timestamp(cutoff).to_pydatetime()
     window = pd.Timedelta(hours=window_hours)
     rows = prior.where(F.col("event_timestamp") >= F.lit(t - window.to_pytimedelta())).count()
-    expected = rows * (pd.Timestamp(cutoff) - pd.Timestamp(start)) / window
-    return int(math.ceil(budget_per_row * expected)), float(expected)
+    expected = expected_rows(rows, start, cutoff, window_hours)
+    return int(math.ceil(budget_per_row * expected)), expected
+
+
+def expected_rows(rows: int, start, cutoff, window_hours: float) -> float:
+    """``rows`` served over ``window_hours``, scaled to the interval ``[start, cutoff)``: in Python integers of
+    nanoseconds, exact at any size (``rows x Timedelta`` overflows int64 nanoseconds past 2.56M rows an hour)."""
+    length = (pd.Timestamp(cutoff) - pd.Timestamp(start)).value
+    return float(int(rows) * length / pd.Timedelta(hours=window_hours).value)
 
 
 def select_budget(scored, n_pairs: int, priority: str, bottom_share: float):
