@@ -1,5 +1,6 @@
 """The Spark precompute jobs on real MovieLens-100K and small synthetic data, with one shared Spark session."""
 import datetime as dt
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -207,6 +208,14 @@ def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run, movielens_r
         assert_same_frames(old, read_sorted(job.offline, d, ML_END), d)
     assert off.list_intervals(job.offline, "selection") == [ML_END]
     assert off.read_stats(job.offline, "neighbours", ML_END)["written_at"] == clock.isoformat()
+    # The neighbours step reads back the histories embed wrote; without them (or made with another history length)
+    # it orders the log itself: the same outputs either way.
+    assert off.read_stats(job.offline, "neighbours", ML_END)["histories_reused"]
+    assert off.read_stats(job.offline, "user_histories", ML_END)["users"] == len(before["user_histories"]) > 0
+    shutil.rmtree(off.interval_uri(job.offline, "user_histories", ML_END))
+    assert not jobs.neighbours(spark, job, ML_START, ML_END)["histories_reused"]
+    for d in ("user_embeddings", "neighbours"):
+        assert_same_frames(before[d], read_sorted(job.offline, d, ML_END), d)
 
 
 def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):

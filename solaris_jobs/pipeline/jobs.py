@@ -153,8 +153,10 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         known = cache(pc.candidate_pool(simulated.limit(0), recent, misses))
         if known.count() >= n_budget:
             simulated, skipped_simulator = simulated.limit(0), True
-        known.unpersist()
-    cands = cache(pc.candidate_pool(simulated, recent, misses if budgeted else None))
+        else:
+            known.unpersist()
+    # Without simulator candidates the pool is the one just counted (cached): not computed a second time.
+    cands = known if skipped_simulator else cache(pc.candidate_pool(simulated, recent, misses if budgeted else None))
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -214,8 +216,11 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                   cfg.lookback_days))
     uc, ic = pc.counters(prior)
-    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(pc.user_histories(prior, cfg.history_len),
-                                                                       "user_id", "left")
+    # Every user's history, not only the selected users': the neighbours step of the interval reads them back
+    # (``user_histories``) instead of reading the log and ordering it a second time.
+    hist = cache(pc.user_histories(prior, cfg.history_len))
+    staged_hist = off.stage(hist, s.offline, "user_histories", T)
+    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist, "user_id", "left")
     users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
     out = cache(pc.embed_pairs(users, models, T, cfg))
     good = out.where(F.col("reject_reason").isNull()).drop("reject_reason", "model_s")
@@ -227,6 +232,8 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     rejected = {r["reason"]: r["count"] for r in spark.read.parquet(staged_bad.path).groupBy("reason").count()
                 .collect()}
     model_s = out.agg(F.sum("model_s")).first()[0] or 0.0
+    _publish(staged_hist, {"interval_end": T.isoformat(), **_history_key(cfg),
+                           "users": hist.count()}, clock)
     _publish(staged_bad, {"interval_end": T.isoformat(), "rows": sum(rejected.values()), "rejected": rejected},
              clock)
     seconds = time.perf_counter() - t0
@@ -266,6 +273,23 @@ def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock
     _publish(staged, stats, clock)
     logger.info("user aggregates %s: %d users from %d intervals", T, n, len(ends))
     return stats
+
+
+def _history_key(cfg) -> dict:
+    """What the ``user_histories`` of an interval depend on besides its events: the settings that made them."""
+    return {"history_len": cfg.history_len, "lookback_days": cfg.lookback_days}
+
+
+def _histories(spark, s: Settings, cfg, T: pd.Timestamp, prior):
+    """Every user's history at T: those ``embed`` wrote for the interval when they were made with these settings,
+    else computed from ``prior`` (the events of the interval's lookback)."""
+    stats = off.read_stats(s.offline, "user_histories", T) or {}
+    if {k: stats.get(k) for k in _history_key(cfg)} == _history_key(cfg):
+        try:
+            return off.read_interval(spark, s.offline, "user_histories", T), True
+        except FileNotFoundError:                  # replaced or removed since its stats were read
+            logger.info("user histories of %s are gone: computing them", T)
+    return pc.user_histories(prior, cfg.history_len), False
 
 
 KNN_STATE_SETTINGS = ("knn_k", "knn_exact_max", "knn_hnsw_m", "knn_ef_search", "history_len", "lookback_days")
@@ -328,13 +352,16 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     source = event_source(events, s.data)
     prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T, cfg.lookback_days)
     base, full_because = _knn_base(s, cfg, T, version)
+    hist, reused = _histories(spark, s, cfg, T, prior)
     if base is not None:
         changed = cache(prior.where(F.col("event_timestamp") >= F.lit(base[0].to_pydatetime()))
                         .select("user_id").distinct())
-        prior = prior.join(changed, "user_id", "left_semi")
-    uemb = cache(pc.embed_users(pc.user_histories(prior, cfg.history_len), models.fm, T, cfg))
+        hist = hist.join(changed, "user_id", "left_semi")
+    uemb = cache(pc.embed_users(hist, models.fm, T, cfg))
     n_bad = uemb.where(F.col("reject_reason").isNotNull()).count()
-    new = uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector").toArrow()
+    # In user order: the index's rows (and so FAISS's order among equal similarities) do not depend on where the
+    # histories came from (computed here or read back from ``embed``).
+    new = uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector").toArrow().sort_by("user_id")
     uemb.unpersist()
     new_ids = new.column("user_id").to_numpy()
     prev = off.read_table(s.offline, "user_embeddings", base[0]) if base is not None else None
@@ -413,7 +440,7 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     n = spark.read.parquet(staged.path).count()
     stats = {"interval_end": T.isoformat(), "users_with_history": int(len(ids)), "users_embedded": int(len(new_ids)),
              "users_carried": carried, "users_with_neighbour_embedding": n, "users_rejected": n_bad,
-             "full": base is None, "full_because": full_because, "knn": kstats, "model_version": version,
+             "full": base is None, "full_because": full_because, "histories_reused": reused, "knn": kstats, "model_version": version,
              "seconds": round(time.perf_counter() - t0, 2)}
     _publish(staged, stats, clock)
     if n_bad:
