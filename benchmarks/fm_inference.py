@@ -7,6 +7,12 @@ as in the job. Inputs: ``--users`` users with full histories and ``--pairs-per-u
 synthetic interval selects about 20 per user).
 
     .venv/bin/python benchmarks/fm_inference.py [--users 512 --pairs-per-user 20 --repeats 3]
+    .venv/bin/python benchmarks/fm_inference.py --user-embedding     # the neighbours step's user embeddings
+
+``--user-embedding`` instead times ``FoundationModel.user_embedding`` (the history encoder alone, what the
+neighbours step runs for every user with history) over users per batch (``--user-batches``) and threads, the
+vectors compared with the largest batch's; saved as benchmarks/results/fm_user_embedding.json. It chose
+``PrecomputeConfig.user_batch_size``.
 
 Prints a table and saves benchmarks/results/fm_inference.json. Each setting runs ``--repeats`` times; the best
 is reported (the machine is shared and noisy), with every run's seconds.
@@ -71,6 +77,40 @@ def run_setting(fm, ae, data: dict, batch: int, mode: str, shared: bool) -> tupl
     return seconds, torch.cat(out).numpy()
 
 
+def user_embedding_sweep(args) -> None:
+    """Users per second of ``FoundationModel.user_embedding`` by users per batch and threads (best of repeats)."""
+    import torch
+
+    from models import FMConfig, FoundationModel, batch_to_tensors
+    torch.manual_seed(0)
+    fm = FoundationModel(FMConfig(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items})).eval()
+    data = inputs(args.users, 1, args.items, fm.cfg.history_len)
+    keys = ("user", "hist_item", "hist_signal", "hist_gap")
+    rows, reference = [], None
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in sorted(args.user_batches, reverse=True):
+            parts = [batch_to_tensors({k: data[k][s: s + batch] for k in keys})
+                     for s in range(0, args.users, batch)]
+            runs = []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    vec = torch.cat([fm.user_embedding(b) for b in parts]).numpy()
+                runs.append(round(time.perf_counter() - t0, 3))
+            reference = vec if reference is None else reference
+            diff = float(np.abs(vec - reference).max())
+            row = {"threads": threads, "users_per_batch": batch, "seconds": min(runs), "runs": runs,
+                   "users_per_s": round(args.users / min(runs), 1), "max_abs_difference": diff}
+            rows.append(row)
+            print(f"threads {threads} users per batch {batch:5d} {row['users_per_s']:9.0f} users/s (best of {runs} "
+                  f"s; vectors within {diff:.1e} of the first setting's)", flush=True)
+    out = Path(args.out).with_name("fm_user_embedding.json")
+    out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
+                               "rows": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                              indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=512)
@@ -81,7 +121,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="Also time torch.compile'd models (slow to compile).")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fm_inference.json"))
+    ap.add_argument("--user-embedding", action="store_true",
+                    help="Time the user embedding (history encoder alone) over --user-batches instead.")
+    ap.add_argument("--user-batches", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     args = ap.parse_args()
+    if args.user_embedding:
+        user_embedding_sweep(args)
+        return
     import torch
 
     from models import AEConfig, Autoencoder, FMConfig, FoundationModel

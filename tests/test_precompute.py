@@ -208,10 +208,18 @@ def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run, movielens_r
         assert_same_frames(old, read_sorted(job.offline, d, ML_END), d)
     assert off.list_intervals(job.offline, "selection") == [ML_END]
     assert off.read_stats(job.offline, "neighbours", ML_END)["written_at"] == clock.isoformat()
-    # The neighbours step reads back the histories embed wrote; without them (or made with another history length)
-    # it orders the log itself: the same outputs either way.
+    # embed and neighbours read the state the selection wrote from its read of the log (every user's history and
+    # counters, the item counters); without it, embed reads the log and writes the state, and neighbours without
+    # any orders the log itself: the same outputs every way.
+    state = off.read_stats(job.offline, "selection", ML_END)["state"]
+    assert state["users"] == len(before["user_histories"]) > 0 and state["items"] == len(before["item_counters"]) > 0
+    assert off.read_stats(job.offline, "pair_embeddings", ML_END)["state_from"] == "select"
     assert off.read_stats(job.offline, "neighbours", ML_END)["histories_reused"]
-    assert off.read_stats(job.offline, "user_histories", ML_END)["users"] == len(before["user_histories"]) > 0
+    for d in jobs.STATE:
+        shutil.rmtree(off.interval_uri(job.offline, d, ML_END))
+    assert jobs.embed(spark, job, ML_START, ML_END)["state_from"] == "log"
+    for d in ("pair_embeddings", *jobs.STATE):
+        assert_same_frames(before[d], read_sorted(job.offline, d, ML_END), d)
     shutil.rmtree(off.interval_uri(job.offline, "user_histories", ML_END))
     assert not jobs.neighbours(spark, job, ML_START, ML_END)["histories_reused"]
     for d in ("user_embeddings", "neighbours"):

@@ -75,6 +75,9 @@ class PrecomputeConfig:
         miss_hours: serving misses recorded in ``[T - miss_hours, T)`` are forced into the selection.
         history_len: FM history length L; None: the FM's own (a different value is an error).
         batch_size: rows per model batch on executors.
+        user_batch_size: users per batch of the FM user embedding (the neighbours step: the history encoder alone,
+            whose intermediates outgrow the CPU's caches in large batches: ``benchmarks/fm_inference.py
+            --user-embedding`` measured 5.2K users/s per thread at 128 against 3.3K at 1024, identical vectors).
         device: torch device for the models (``auto``: CUDA when present).
         aggregate_hours: window of the user aggregate.
         knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search, with
@@ -100,6 +103,7 @@ class PrecomputeConfig:
     miss_hours: float = Field(24.0, ge=0)
     history_len: int | None = Field(None, ge=1)
     batch_size: int = Field(1024, ge=1)
+    user_batch_size: int = Field(128, ge=1)
     device: str = "auto"
     aggregate_hours: float = Field(24.0, gt=0)
     knn_k: int = Field(10, ge=1)

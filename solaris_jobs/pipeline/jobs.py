@@ -119,7 +119,9 @@ def read_from(T: pd.Timestamp, lookback_days: float | None, start=None) -> pd.Ti
 def select(spark, s: Settings, start, end, *, events=None, models=None, clock=None,
            cache=None) -> dict:
     """Candidate selection: active users (+ missed), request-simulator candidates, negative exclusion, verifier
-    scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval."""
+    scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval, and from the same read of
+    the log the interval's state that ``embed`` and ``neighbours`` read instead of the log: ``user_histories``
+    (every user's history at T, with the user's counters) and ``item_counters``."""
     from pyspark.sql import functions as F
     t0 = time.perf_counter()
     start, T = interval(start, end)
@@ -164,7 +166,8 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         bottoms = off.read_intervals(spark, s.offline, "selection", past).where("bottom") \
             .select(F.col("run"), "user_id", "item_id")
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
-    uc, ic = pc.counters(prior)
+    uc, ic = (cache(c) for c in pc.counters(prior))
+    state = _write_state(spark, s, T, prior, _state_history_len(s, models), uc, ic, cache, clock)
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
@@ -188,7 +191,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
              "pairs_selected": agg["selected"] or 0,
              "forced_misses": 0 if budgeted else agg["misses"], "by_source": by_source, **budget,
              "select_share": cfg.select_share, "select_scope": cfg.select_scope, "verifier": vm.version,
-             "seconds": round(time.perf_counter() - t0, 2)}
+             "state": state, "seconds": round(time.perf_counter() - t0, 2)}
     _publish(staged, stats, clock)
     logger.info("selection %s: %d users, %d pairs considered, %d excluded by negative exclusion (VM scoring "
                 "saved), %d selected for the FM%s", T, n_users, n_cands, n_excl, agg["selected"] or 0,
@@ -211,16 +214,21 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     cfg = _with_history_len(s, models)
     version = models.embedding_version
     selected = off.read_interval(spark, s.offline, "selection", T).where("selected").select("user_id", "item_id")
-    source = event_source(events, s.data)
-    # Read once: the counters and the histories both come from it.
-    prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
-                                  cfg.lookback_days))
-    uc, ic = pc.counters(prior)
-    # Every user's history, not only the selected users': the neighbours step of the interval reads them back
-    # (``user_histories``) instead of reading the log and ordering it a second time.
-    hist = cache(pc.user_histories(prior, cfg.history_len))
-    staged_hist = off.stage(hist, s.offline, "user_histories", T)
-    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist, "user_id", "left")
+    state = _read_state(spark, s, cfg, T)
+    state_from = "select" if state is not None else "log"
+    if state is None:
+        # No state from the selection with these settings: the log is read here, and the state written for the
+        # neighbours step.
+        source = event_source(events, s.data)
+        prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
+                                      cfg.lookback_days))
+        uc, ic = (cache(c) for c in pc.counters(prior))
+        _write_state(spark, s, T, prior, cfg.history_len, uc, ic, cache, clock)
+        state = _read_state(spark, s, cfg, T)
+    hist, ic = state
+    uc = hist.select("user_id", *pc.USER_COUNTER_COLS)
+    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist.drop(*pc.USER_COUNTER_COLS), "user_id",
+                                                                       "left")
     users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
     out = cache(pc.embed_pairs(users, models, T, cfg))
     good = out.where(F.col("reject_reason").isNull()).drop("reject_reason", "model_s")
@@ -232,8 +240,6 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     rejected = {r["reason"]: r["count"] for r in spark.read.parquet(staged_bad.path).groupBy("reason").count()
                 .collect()}
     model_s = out.agg(F.sum("model_s")).first()[0] or 0.0
-    _publish(staged_hist, {"interval_end": T.isoformat(), **_history_key(cfg),
-                           "users": hist.count()}, clock)
     _publish(staged_bad, {"interval_end": T.isoformat(), "rows": sum(rejected.values()), "rejected": rejected},
              clock)
     seconds = time.perf_counter() - t0
@@ -241,7 +247,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
              "pairs_per_s": round(n / seconds, 1) if seconds else None, "batch_size": cfg.batch_size,
              # The FM and the encoder inside the executors (summed over tasks), apart from reading and writing.
              "model_seconds": round(model_s, 3), "model_pairs_per_s": round(n / model_s, 1) if model_s else None,
-             "rejected": rejected, "models": models.to_dict()}
+             "rejected": rejected, "state_from": state_from, "models": models.to_dict()}
     _publish(staged, stats, clock)
     if rejected:
         logger.warning("fm inference %s: set aside %s (not finite): %s", T, rejected,
@@ -280,15 +286,54 @@ def _history_key(cfg) -> dict:
     return {"history_len": cfg.history_len, "lookback_days": cfg.lookback_days}
 
 
+STATE = ("user_histories", "item_counters")
+
+
+def _state_history_len(s: Settings, models) -> int | None:
+    """The FM's history length, for the state ``select`` writes (None: no FM to read it from; no state then)."""
+    try:
+        fm = models if models is not None and models.fm is not None else model_refs.resolve(s.models, ("fm",))
+        return fm.check_history_len(s.precompute.history_len)
+    except (FileNotFoundError, ValueError) as e:
+        logger.warning("no FM history length (%s): the interval's state is left to embed", e)
+        return None
+
+
+def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | None, uc, ic, cache, clock):
+    """Writes the interval's state from ``prior`` (the lookback's events, read once): ``user_histories`` (every
+    user's last ``history_len`` events with the user's counters) and ``item_counters``. Returns its stats."""
+    if history_len is None:
+        return None
+    key = {"interval_end": T.isoformat(), "history_len": history_len, "lookback_days": s.precompute.lookback_days}
+    hist = cache(pc.user_histories(prior, history_len).join(uc, "user_id", "left"))
+    staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(STATE, (hist, ic))}
+    rows = {d: spark.read.parquet(st.path).count() for d, st in staged.items()}
+    for d, st in staged.items():
+        _publish(st, {**key, "rows": rows[d]}, clock)
+    return {**key, "users": rows["user_histories"], "items": rows["item_counters"]}
+
+
+def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):
+    """(user_histories, item_counters) of the interval when they were made with ``cfg``'s history length and
+    lookback, else None."""
+    want = _history_key(cfg)
+    for d in STATE:
+        stats = off.read_stats(s.offline, d, T) or {}
+        if {k: stats.get(k) for k in want} != want:
+            return None
+    try:
+        return tuple(off.read_interval(spark, s.offline, d, T) for d in STATE)
+    except FileNotFoundError:                      # replaced or removed since its stats were read
+        logger.info("the state of %s is gone: reading the log", T)
+        return None
+
+
 def _histories(spark, s: Settings, cfg, T: pd.Timestamp, prior):
-    """Every user's history at T: those ``embed`` wrote for the interval when they were made with these settings,
-    else computed from ``prior`` (the events of the interval's lookback)."""
-    stats = off.read_stats(s.offline, "user_histories", T) or {}
-    if {k: stats.get(k) for k in _history_key(cfg)} == _history_key(cfg):
-        try:
-            return off.read_interval(spark, s.offline, "user_histories", T), True
-        except FileNotFoundError:                  # replaced or removed since its stats were read
-            logger.info("user histories of %s are gone: computing them", T)
+    """Every user's history at T: from the interval's state when it was made with these settings, else computed
+    from ``prior`` (the events of the interval's lookback). Returns (histories, whether the state was read)."""
+    state = _read_state(spark, s, cfg, T)
+    if state is not None:
+        return state[0].drop(*pc.USER_COUNTER_COLS), True
     return pc.user_histories(prior, cfg.history_len), False
 
 
@@ -470,7 +515,7 @@ def run(spark, s: Settings, start, end, steps=SPARK_STEPS, *, events=None, model
         raise ValueError(f"unknown Spark steps {unknown}: {SPARK_STEPS}")
     start, end = interval(start, end)
     if models is None:
-        kinds = ({"vm"} if "select" in steps else set()) | ({"fm", "ae"} if "embed" in steps else set())
+        kinds = ({"vm", "fm"} if "select" in steps else set()) | ({"fm", "ae"} if "embed" in steps else set())
         models = model_refs.resolve(s.models, [k for k in model_refs.KINDS if k in kinds],
                                     s.precompute.history_len) if kinds else None
     if events is not None:

@@ -44,15 +44,19 @@ def split_bad_events(events):
     return marked.where(F.col("reason").isNull()).drop("reason"), marked.where(F.col("reason").isNotNull())
 
 
+# The event columns the steps read (the log's others, ``request_id`` and the logged ``vm_score``, are not cached).
+PRIOR_COLS = ("user_id", "item_id", "event_timestamp", "label", "rating")
+
+
 def prior_events(events, cutoff, lookback_days: float | None):
-    """Valid events strictly before ``cutoff`` (and not older than ``lookback_days``); see
+    """Valid events strictly before ``cutoff`` (and not older than ``lookback_days``), ``PRIOR_COLS`` only; see
     ``split_bad_events`` for what is set aside (the selection job counts and writes those)."""
     from pyspark.sql import functions as F
     t = pd.Timestamp(cutoff).to_pydatetime()
     out = split_bad_events(events)[0].where(F.col("event_timestamp") < F.lit(t))
     if lookback_days is not None:
         out = out.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(days=lookback_days).to_pytimedelta()))
-    return out
+    return out.select(*PRIOR_COLS)
 
 
 def active_users(prior, cutoff, hours: float, misses=None):
@@ -284,12 +288,11 @@ def candidate_pool(simulated, recent=None, misses=None):
     for p in parts[1:]:
         pool = pool.unionByName(p)
     order = F.array_position(F.array(*[F.lit(x) for x in POOL_SOURCES]), F.col("source"))
-    w = Window.partitionBy("user_id", "item_id")
-    return (pool.withColumn("_o", order)
-            .withColumn("last_seen", F.max("last_seen").over(w))
-            .withColumn("retrieval_score", F.max("retrieval_score").over(w))
-            .withColumn("_k", F.row_number().over(w.orderBy("_o")))
-            .where("_k = 1").drop("_o", "_k"))
+    # One hash aggregation per pair (a window over (user, item) would sort the whole pool); a source appears at
+    # most once per pair, so the first in POOL_SOURCES order is the one with the smallest position.
+    return (pool.withColumn("_o", order).groupBy("user_id", "item_id")
+            .agg(F.min_by("source", "_o").alias("source"), F.max("retrieval_score").alias("retrieval_score"),
+                 F.max("last_seen").alias("last_seen")))
 
 
 def budget_pairs(prior, start, cutoff, budget_per_row: float, window_hours: float) -> tuple[int, float]:
@@ -486,7 +489,7 @@ def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig)
     schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType())),
                          StructField("reject_reason", StringType())])
     at_us = pd.Timestamp(cutoff).value // 1000
-    batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    batch_size, device, threads, L = cfg.user_batch_size, cfg.device, cfg.torch_threads, cfg.history_len
     reasons = np.array([NONFINITE_USER, None], dtype=object)
 
     def embed(frames):
