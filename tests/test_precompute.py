@@ -212,7 +212,8 @@ def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run, movielens_r
     # counters, the item counters); without it, embed reads the log and writes the state, and neighbours without
     # any orders the log itself: the same outputs every way.
     state = off.read_stats(job.offline, "selection", ML_END)["state"]
-    assert state["users"] == len(before["user_histories"]) > 0 and state["items"] == len(before["item_counters"]) > 0
+    assert state["users_with_history"] == len(before["user_histories"]) == state["users"] > 0
+    assert state["items"] == len(before["item_counters"]) > 0
     assert off.read_stats(job.offline, "pair_embeddings", ML_END)["state_from"] == "select"
     assert off.read_stats(job.offline, "neighbours", ML_END)["histories_reused"]
     for d in jobs.STATE:

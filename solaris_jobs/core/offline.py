@@ -24,7 +24,8 @@ with ``_SUCCESS``, no pointer) are still read.
 
 Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection``, the interval's state
 from the selection's one read of the log (``user_histories``: every user's last events before T as the FM reads
-them, with the user's counters; ``item_counters``), read by ``embed`` and ``neighbours``, ``pair_embeddings``,
+them; ``user_counters``, ``item_counters``: events, labelled events and positives), read by ``embed`` and
+``neighbours``, ``pair_embeddings``,
 ``embedding_rejects`` (pairs whose FM output was not finite, with a ``reason``), ``user_aggregates``,
 ``user_embeddings`` (with each user's neighbour list and the time the vector was computed), ``neighbours``, and
 ``knn_index`` (the FAISS index of a full neighbours interval, files not parquet: ``index.faiss``, ``ids.npy``).
@@ -43,8 +44,8 @@ import pyarrow.fs as pafs
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("rejects", "selection", "user_histories", "item_counters", "pair_embeddings", "embedding_rejects",
-            "user_aggregates", "user_embeddings", "neighbours")
+DATASETS = ("rejects", "selection", "user_histories", "user_counters", "item_counters", "pair_embeddings",
+            "embedding_rejects", "user_aggregates", "user_embeddings", "neighbours")
 POINTER = "_PUBLISHED"
 RUN = "run-"                # not key=value: plain directory readers do not make it a column (selection has a `run`)
 STAGING = "_staging"

@@ -121,7 +121,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     """Candidate selection: active users (+ missed), request-simulator candidates, negative exclusion, verifier
     scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval, and from the same read of
     the log the interval's state that ``embed`` and ``neighbours`` read instead of the log: ``user_histories``
-    (every user's history at T, with the user's counters) and ``item_counters``."""
+    (every user's history at T), ``user_counters`` and ``item_counters``."""
     from pyspark.sql import functions as F
     t0 = time.perf_counter()
     start, T = interval(start, end)
@@ -166,8 +166,8 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         bottoms = off.read_intervals(spark, s.offline, "selection", past).where("bottom") \
             .select(F.col("run"), "user_id", "item_id")
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
-    uc, ic = (cache(c) for c in pc.counters(prior))
-    state = _write_state(spark, s, T, prior, _state_history_len(s, models), uc, ic, cache, clock)
+    uc, ic = pc.counters(prior)
+    state = _write_state(spark, s, T, prior, _state_history_len(s, models), uc, ic, clock)
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
@@ -222,13 +222,11 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
         source = event_source(events, s.data)
         prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                       cfg.lookback_days))
-        uc, ic = (cache(c) for c in pc.counters(prior))
-        _write_state(spark, s, T, prior, cfg.history_len, uc, ic, cache, clock)
+        uc, ic = pc.counters(prior)
+        _write_state(spark, s, T, prior, cfg.history_len, uc, ic, clock)
         state = _read_state(spark, s, cfg, T)
-    hist, ic = state
-    uc = hist.select("user_id", *pc.USER_COUNTER_COLS)
-    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist.drop(*pc.USER_COUNTER_COLS), "user_id",
-                                                                       "left")
+    hist, uc, ic = state
+    users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist, "user_id", "left")
     users = users.repartition(parallelism(spark), "user_id").sortWithinPartitions("user_id")
     out = cache(pc.embed_pairs(users, models, T, cfg))
     good = out.where(F.col("reject_reason").isNull()).drop("reject_reason", "model_s")
@@ -286,7 +284,7 @@ def _history_key(cfg) -> dict:
     return {"history_len": cfg.history_len, "lookback_days": cfg.lookback_days}
 
 
-STATE = ("user_histories", "item_counters")
+STATE = ("user_histories", "user_counters", "item_counters")
 
 
 def _state_history_len(s: Settings, models) -> int | None:
@@ -299,23 +297,24 @@ def _state_history_len(s: Settings, models) -> int | None:
         return None
 
 
-def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | None, uc, ic, cache, clock):
+def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | None, uc, ic, clock):
     """Writes the interval's state from ``prior`` (the lookback's events, read once): ``user_histories`` (every
-    user's last ``history_len`` events with the user's counters) and ``item_counters``. Returns its stats."""
+    user's last ``history_len`` events), ``user_counters`` and ``item_counters``. Returns its stats."""
     if history_len is None:
         return None
     key = {"interval_end": T.isoformat(), "history_len": history_len, "lookback_days": s.precompute.lookback_days}
-    hist = cache(pc.user_histories(prior, history_len).join(uc, "user_id", "left"))
-    staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(STATE, (hist, ic))}
+    staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(STATE, (pc.user_histories(prior, history_len), uc,
+                                                                          ic))}
     rows = {d: spark.read.parquet(st.path).count() for d, st in staged.items()}
     for d, st in staged.items():
         _publish(st, {**key, "rows": rows[d]}, clock)
-    return {**key, "users": rows["user_histories"], "items": rows["item_counters"]}
+    return {**key, "users": rows["user_counters"], "users_with_history": rows["user_histories"],
+            "items": rows["item_counters"]}
 
 
 def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):
-    """(user_histories, item_counters) of the interval when they were made with ``cfg``'s history length and
-    lookback, else None."""
+    """(user_histories, user_counters, item_counters) of the interval when they were made with ``cfg``'s history
+    length and lookback, else None."""
     want = _history_key(cfg)
     for d in STATE:
         stats = off.read_stats(s.offline, d, T) or {}
@@ -333,7 +332,7 @@ def _histories(spark, s: Settings, cfg, T: pd.Timestamp, prior):
     from ``prior`` (the events of the interval's lookback). Returns (histories, whether the state was read)."""
     state = _read_state(spark, s, cfg, T)
     if state is not None:
-        return state[0].drop(*pc.USER_COUNTER_COLS), True
+        return state[0], True
     return pc.user_histories(prior, cfg.history_len), False
 
 
