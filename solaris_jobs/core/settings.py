@@ -318,6 +318,8 @@ FLAGS = (
     Flag("--candidates", "precompute.simulator.n_candidates", "Request-simulator candidates per user (half of "
                                                               "them popular).", "int"),
     Flag("--batch-size", "precompute.batch_size", "Rows per model batch on executors.", "int"),
+    Flag("--user-batch-size", "precompute.user_batch_size", "Users per batch of the FM user embedding "
+                                                            "(neighbours).", "int"),
     Flag("--history-len", "precompute.history_len", "FM history length (default: the FM's; must match it).",
          "int"),
     Flag("--knn-k", "precompute.knn_k", "Neighbours per user.", "int"),

@@ -288,7 +288,9 @@ STATE = ("user_histories", "user_counters", "item_counters")
 
 
 def _state_history_len(s: Settings, models) -> int | None:
-    """The FM's history length, for the state ``select`` writes (None: no FM to read it from; no state then)."""
+    """The FM's history length, for the state ``select`` writes: of the run's FM, else of the one under
+    ``settings.models`` (None: no FM there, or another history length than configured; no state then, and embed
+    reads the log)."""
     try:
         fm = models if models is not None and models.fm is not None else model_refs.resolve(s.models, ("fm",))
         return fm.check_history_len(s.precompute.history_len)
@@ -404,7 +406,7 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     uemb = cache(pc.embed_users(hist, models.fm, T, cfg))
     n_bad = uemb.where(F.col("reject_reason").isNotNull()).count()
     # In user order: the index's rows (and so FAISS's order among equal similarities) do not depend on where the
-    # histories came from (computed here or read back from ``embed``).
+    # histories came from (the interval's state, or computed here).
     new = uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector").toArrow().sort_by("user_id")
     uemb.unpersist()
     new_ids = new.column("user_id").to_numpy()
@@ -484,8 +486,8 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     n = spark.read.parquet(staged.path).count()
     stats = {"interval_end": T.isoformat(), "users_with_history": int(len(ids)), "users_embedded": int(len(new_ids)),
              "users_carried": carried, "users_with_neighbour_embedding": n, "users_rejected": n_bad,
-             "full": base is None, "full_because": full_because, "histories_reused": reused, "knn": kstats, "model_version": version,
-             "seconds": round(time.perf_counter() - t0, 2)}
+             "full": base is None, "full_because": full_because, "histories_reused": reused, "knn": kstats,
+             "model_version": version, "seconds": round(time.perf_counter() - t0, 2)}
     _publish(staged, stats, clock)
     if n_bad:
         logger.warning("neighbours %s: %d users set aside: %s", T, n_bad, pc.NONFINITE_USER)
@@ -514,7 +516,7 @@ def run(spark, s: Settings, start, end, steps=SPARK_STEPS, *, events=None, model
         raise ValueError(f"unknown Spark steps {unknown}: {SPARK_STEPS}")
     start, end = interval(start, end)
     if models is None:
-        kinds = ({"vm", "fm"} if "select" in steps else set()) | ({"fm", "ae"} if "embed" in steps else set())
+        kinds = ({"vm"} if "select" in steps else set()) | ({"fm", "ae"} if "embed" in steps else set())
         models = model_refs.resolve(s.models, [k for k in model_refs.KINDS if k in kinds],
                                     s.precompute.history_len) if kinds else None
     if events is not None:
