@@ -225,6 +225,16 @@ def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run, movielens_r
     assert not jobs.neighbours(spark, job, ML_START, ML_END)["histories_reused"]
     for d in ("user_embeddings", "neighbours"):
         assert_same_frames(before[d], read_sorted(job.offline, d, ML_END), d)
+    # Embed without a whole state reads the log and writes the state, which its rerun reads. A selection published
+    # after the state (another writer, a select that wrote none) makes that state stale: it is not read.
+    assert jobs.embed(spark, job, ML_START, ML_END)["state_from"] == "log"
+    assert jobs.embed(spark, job, ML_START, ML_END)["state_from"] == "select"
+    off.stage_table(off.read_table(job.offline, "selection", ML_END), job.offline, "selection", ML_END).publish(
+        {"interval_end": ML_END.isoformat()})
+    assert jobs.embed(spark, job, ML_START, ML_END)["state_from"] == "log"
+    assert jobs.neighbours(spark, job, ML_START, ML_END)["histories_reused"]     # the state embed wrote for it
+    for d in ("pair_embeddings", "user_embeddings", "neighbours"):
+        assert_same_frames(before[d], read_sorted(job.offline, d, ML_END), d)
 
 
 def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 DATASETS = ("rejects", "selection", "user_histories", "user_counters", "item_counters", "pair_embeddings",
             "embedding_rejects", "user_aggregates", "user_embeddings", "neighbours")
+# The interval's state: written by select from its read of the log, read by embed and neighbours instead of the
+# log (``solaris_jobs.pipeline.jobs``); a cache of the log, not an output.
+STATE_DATASETS = ("user_histories", "user_counters", "item_counters")
 POINTER = "_PUBLISHED"
 RUN = "run-"                # not key=value: plain directory readers do not make it a column (selection has a `run`)
 STAGING = "_staging"

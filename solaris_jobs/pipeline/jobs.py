@@ -167,7 +167,6 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
             .select(F.col("run"), "user_id", "item_id")
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
     uc, ic = pc.counters(prior)
-    state = _write_state(spark, s, T, prior, _state_history_len(s, models), uc, ic, clock)
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
@@ -181,6 +180,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     sel = sel.withColumn("run", F.lit(T.to_pydatetime()).cast("timestamp"))
     n_users, n_cands, n_excl = users.count(), cands.count(), excluded.count()
     staged = off.stage(sel, s.offline, "selection", T)
+    state = _write_state(spark, s, T, prior, _state_history_len(s, models), uc, ic, off.RUN + staged.run, clock)
     written = spark.read.parquet(staged.path)
     agg = written.agg(F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
                       F.sum((F.col("source") == "miss").cast("int")).alias("misses")).first()
@@ -223,7 +223,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
         prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                       cfg.lookback_days))
         uc, ic = pc.counters(prior)
-        _write_state(spark, s, T, prior, cfg.history_len, uc, ic, clock)
+        _write_state(spark, s, T, prior, cfg.history_len, uc, ic, _selection_run(s, T), clock)
         state = _read_state(spark, s, cfg, T)
     hist, uc, ic = state
     users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist, "user_id", "left")
@@ -279,12 +279,20 @@ def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock
     return stats
 
 
-def _history_key(cfg) -> dict:
-    """What the ``user_histories`` of an interval depend on besides its events: the settings that made them."""
-    return {"history_len": cfg.history_len, "lookback_days": cfg.lookback_days}
+def _state_key(history_len: int, lookback_days: float | None, selection_run: str | None) -> dict:
+    """What an interval's state must match to be read: the settings that made it, and the published selection it
+    was written with (a rerun of select that writes no state, or a selection written otherwise, leaves an older
+    state behind: it is then not read)."""
+    return {"history_len": history_len, "lookback_days": lookback_days, "selection": selection_run}
 
 
-STATE = ("user_histories", "user_counters", "item_counters")
+def _selection_run(s: Settings, T: pd.Timestamp) -> str | None:
+    """The run folder name of the interval's published selection (None: none published)."""
+    path = off.published(s.offline, "selection", T)
+    return path.rstrip("/").rsplit("/", 1)[-1] if path else None
+
+
+STATE = off.STATE_DATASETS
 
 
 def _state_history_len(s: Settings, models) -> int | None:
@@ -299,12 +307,14 @@ def _state_history_len(s: Settings, models) -> int | None:
         return None
 
 
-def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | None, uc, ic, clock):
+def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | None, uc, ic,
+                 selection_run: str | None, clock):
     """Writes the interval's state from ``prior`` (the lookback's events, read once): ``user_histories`` (every
-    user's last ``history_len`` events), ``user_counters`` and ``item_counters``. Returns its stats."""
+    user's last ``history_len`` events), ``user_counters`` and ``item_counters``, for the selection run
+    ``selection_run``. Returns its stats."""
     if history_len is None:
         return None
-    key = {"interval_end": T.isoformat(), "history_len": history_len, "lookback_days": s.precompute.lookback_days}
+    key = {"interval_end": T.isoformat(), **_state_key(history_len, s.precompute.lookback_days, selection_run)}
     staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(STATE, (pc.user_histories(prior, history_len), uc,
                                                                           ic))}
     rows = {d: spark.read.parquet(st.path).count() for d, st in staged.items()}
@@ -316,8 +326,8 @@ def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | 
 
 def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):
     """(user_histories, user_counters, item_counters) of the interval when they were made with ``cfg``'s history
-    length and lookback, else None."""
-    want = _history_key(cfg)
+    length and lookback for the interval's published selection, else None."""
+    want = _state_key(cfg.history_len, cfg.lookback_days, _selection_run(s, T))
     for d in STATE:
         stats = off.read_stats(s.offline, d, T) or {}
         if {k: stats.get(k) for k in want} != want:
@@ -486,7 +496,8 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     n = spark.read.parquet(staged.path).count()
     stats = {"interval_end": T.isoformat(), "users_with_history": int(len(ids)), "users_embedded": int(len(new_ids)),
              "users_carried": carried, "users_with_neighbour_embedding": n, "users_rejected": n_bad,
-             "full": base is None, "full_because": full_because, "histories_reused": reused, "knn": kstats,
+             "full": base is None, "full_because": full_because, "histories_reused": reused,
+             "user_batch_size": cfg.user_batch_size, "knn": kstats,
              "model_version": version, "seconds": round(time.perf_counter() - t0, 2)}
     _publish(staged, stats, clock)
     if n_bad:

@@ -274,7 +274,6 @@ def candidate_pool(simulated, recent=None, misses=None):
         recent: (user_id, item_id, last_seen) from ``recent_pairs``, or None.
         misses: (user_id, item_id, missed_at), or None.
     """
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
     parts = [simulated.withColumn("last_seen", F.lit(None).cast("timestamp"))]
     if recent is not None:
@@ -314,7 +313,8 @@ def budget_pairs(prior, start, cutoff, budget_per_row: float, window_hours: floa
 
 def expected_rows(rows: int, start, cutoff, window_hours: float) -> float:
     """``rows`` served over ``window_hours``, scaled to the interval ``[start, cutoff)``: in Python integers of
-    nanoseconds, exact at any size (``rows x Timedelta`` overflows int64 nanoseconds past 2.56M rows an hour)."""
+    nanoseconds, exact at any size (``rows x`` an hour's ``Timedelta`` overflows int64 nanoseconds past 2.56M rows
+    in the window)."""
     length = (pd.Timestamp(cutoff) - pd.Timestamp(start)).value
     return float(int(rows) * length / pd.Timedelta(hours=window_hours).value)
 
