@@ -431,3 +431,68 @@ def test_active_requery_embeds_and_queries_only_users_with_new_events(spark, ml_
     assert "another model version or KNN settings" in jobs.neighbours(spark, other, ML_END, T2)["full_because"]
     due = replace(act, precompute=replace(act.precompute, knn_rebuild_hours=24))
     assert "24 h old or more" in jobs.neighbours(spark, due, ML_END, T2)["full_because"]
+
+
+def test_merge_histories_hand_checked(spark):
+    """The last L of the previous histories and the new events; entries that left the lookback dropped first."""
+    prev = pd.DataFrame({"user_id": [1, 2, 3], "hist_ts": [[10, 20, 30], [5, 6], [1]], "hist_item": [[1, 2, 3], [7, 8],
+                                                                                                     [9]],
+                         "hist_label": [[1, 0, -1], [0, 0], [1]], "hist_rating": [[0, 0, 0], [0, 0], [4]]})
+    prev = spark.createDataFrame(prev, "user_id long, hist_ts array<long>, hist_item array<long>, "
+                                       "hist_label array<int>, hist_rating array<int>")
+    t = [pd.Timestamp(x, unit="us", tz="UTC") for x in (40, 50, 41)]
+    new = spark.createDataFrame(pd.DataFrame({"user_id": [1, 1, 4], "item_id": [4, 5, 6], "event_timestamp": t,
+                                              "label": [1, None, 0], "rating": [None, 3.0, None]}),
+                                "user_id long, item_id long, event_timestamp timestamp, label int, rating float")
+    got = {r["user_id"]: (r["hist_ts"], r["hist_item"], r["hist_label"], r["hist_rating"])
+           for r in pc.merge_histories(prev, new, 3, since=pd.Timestamp(6, unit="us", tz="UTC")).collect()}
+    assert got == {1: ([30, 40, 50], [3, 4, 5], [-1, 1, -1], [0, 0, 3]),    # the oldest two made room for the new
+                   2: ([6], [8], [0], [0]),                                  # ts 5 left the lookback
+                   4: ([41], [6], [0], [0])}                                 # user 3's only event left: no row
+
+
+def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(spark, synth_root, synth_models,
+                                                                              tmp_path):
+    """Select updates the interval's state (histories, counters) from the previous interval's with the new hour
+    and, under a lookback, less the hour that left it: the state and the selection equal those of a full rebuild
+    (here from the same events read once into memory). A full rebuild comes every ``state_rebuild_hours``, after a
+    gap, and when the log's files of the state's hours changed (a late event)."""
+    data = tmp_path / "data"
+    shutil.copytree(synth_root, data)
+    cfg = pc.PrecomputeConfig(history_len=10, lookback_days=1.5, exclusion_runs=0, active_hours=6,
+                              state_rebuild_hours=3, simulator=SimulatorConfig(n_candidates=20, n_popular=5))
+    inc = Settings(data=str(data), offline=str(tmp_path / "inc"), models=str(synth_models), precompute=cfg)
+    ref = replace(inc, offline=str(tmp_path / "ref"), precompute=replace(cfg, state_rebuild_hours=0))
+    table = ev.read_events(data)
+    memory, log = jobs.event_source(table), jobs.event_source(str(data))
+    start = pd.Timestamp("2026-01-07T00:00:00Z")         # the log's third day: the lookback's first hours leave
+    lookback = pd.Timedelta(days=1.5)
+    built = []
+    for h in range(4):
+        T = start + pd.Timedelta(hours=h + 1)
+        built.append(jobs.select(spark, inc, T - pd.Timedelta(hours=1), T)["state"]["built"])
+        if h in (1, 2):
+            # The reference: a full rebuild from the whole lookback's events, read once into memory.
+            assert jobs.select(spark, ref, T - pd.Timedelta(hours=1), T, events=memory)["state"]["built"] == "full"
+            for d in ("selection", *jobs.STATE):
+                assert_same_frames(read_sorted(ref.offline, d, T), read_sorted(inc.offline, d, T), f"{d} {h}")
+            assert ev.read_events(data, T - lookback - pd.Timedelta(hours=1), T - lookback).num_rows > 0  # left
+    # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before.
+    assert built == ["full", "incremental", "incremental", "full"]
+
+    def why_full(settings, source, T):
+        return jobs._state_base(settings, settings.precompute, source, T - pd.Timedelta(hours=1), T, 10)[1]
+    nxt = T + pd.Timedelta(hours=1)
+    assert why_full(inc, log, nxt) is None
+    # A state read from events in memory is updated from that same table (its rows cannot change), not the log's.
+    T3 = start + pd.Timedelta(hours=3)
+    assert why_full(replace(ref, precompute=cfg), memory, T3) is None
+    assert "changed" in why_full(replace(ref, precompute=cfg), log, T3)
+    assert "changed" in why_full(inc, memory, nxt)
+    # A gap: the last state does not end at the interval's start.
+    assert "not at this interval's start" in why_full(inc, log, nxt + pd.Timedelta(hours=1))
+    # A late event in an hour the state covers (a new file in an old hour folder): the next interval rebuilds.
+    late = table.slice(0, 1).to_pandas()
+    late["event_timestamp"] = T - pd.Timedelta(hours=3)
+    ev.write_events(pa.Table.from_pandas(late, preserve_index=False), data, part="late")
+    assert "changed" in why_full(inc, log, nxt)

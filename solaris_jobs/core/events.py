@@ -195,6 +195,47 @@ def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str
     return table.sort_by([("event_timestamp", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")])
 
 
+def log_fingerprint(root: str | os.PathLike, start=None, end=None) -> str:
+    """A digest of the log's files that can hold events of ``[start, end)``: path, size and modification time of
+    every file in the hour folders overlapping it (and of any file outside the ``date=/hour=`` layout). Equal
+    digests: the log's rows of those hours are those read before; a late event written into an old hour, or a file
+    rewritten, changes it. Only the listing is read (the day folders of the bounds, then their files).
+
+    Raises:
+        DataContractError: there is no event log under ``root``.
+    """
+    import hashlib
+    import re
+
+    from solaris_jobs.core.offline import filesystem
+    fs, base = filesystem(events_uri(root))
+    if fs.get_file_info(base).type != pafs.FileType.Directory:
+        raise DataContractError(f"{root}: no event log (expected {base}/date=YYYY-MM-DD/hour=HH/*.parquet)")
+    lo = to_utc(start) if start is not None else None
+    hi = to_utc(end) if end is not None else None
+
+    def overlaps(t0: pd.Timestamp, length: pd.Timedelta) -> bool:
+        return (lo is None or t0 + length > lo) and (hi is None or t0 < hi)
+
+    files = []
+    for day in fs.get_file_info(pafs.FileSelector(base)):
+        m = re.fullmatch(r"date=(\d{4}-\d{2}-\d{2})", day.base_name)
+        if m and day.type == pafs.FileType.Directory and not overlaps(pd.Timestamp(m.group(1), tz="UTC"),
+                                                                       pd.Timedelta(days=1)):
+            continue
+        sub = [day] if day.type == pafs.FileType.File else fs.get_file_info(pafs.FileSelector(day.path,
+                                                                                            recursive=True))
+        for f in sub:
+            if f.type != pafs.FileType.File:
+                continue
+            rel = f.path[len(base):].lstrip("/")
+            h = re.fullmatch(r"date=(\d{4}-\d{2}-\d{2})/hour=(\d{2})/[^/]+", rel)
+            if h and not overlaps(pd.Timestamp(f"{h.group(1)}T{h.group(2)}:00", tz="UTC"), pd.Timedelta(hours=1)):
+                continue
+            files.append(f"{rel}\t{f.size}\t{f.mtime_ns}")
+    return hashlib.sha256("\n".join(sorted(files)).encode()).hexdigest()
+
+
 def bad_event_counts(table: pa.Table) -> dict[str, int]:
     """Rows of an event table that ``precompute.split_bad_events`` sets aside, counted per reason."""
     return bad_event_rows(table)[1]

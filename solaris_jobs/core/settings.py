@@ -87,6 +87,11 @@ class PrecomputeConfig:
             against the index built at the last full interval; a full interval comes every
             ``knn_rebuild_hours`` (everyone re-embedded, the index rebuilt), or when the previous state cannot be
             used (none, another model version or KNN settings).
+        state_rebuild_hours: ``select`` updates the interval's state (every user's history, the user and item
+            counters) from the previous interval's instead of rebuilding it from the lookback, when that state ends
+            at this interval's start, was made with the same history length, lookback and event source, the log's
+            files of the hours it covers are unchanged since (a late event in an old hour, a rewritten file: a full
+            rebuild), and its last full rebuild is less than this many hours old; 0: a full rebuild every interval.
         torch_threads: torch threads per Spark task.
     """
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
@@ -112,6 +117,7 @@ class PrecomputeConfig:
     knn_ef_search: int = Field(128, ge=1)
     knn_requery: Literal["all", "active"] = "all"
     knn_rebuild_hours: float = Field(24.0, gt=0)
+    state_rebuild_hours: float = Field(24.0, ge=0)
     torch_threads: int = Field(1, ge=1)
 
 
@@ -330,6 +336,10 @@ FLAGS = (
                                                     "index.", "choice", ("all", "active")),
     Flag("--knn-rebuild-hours", "precompute.knn_rebuild_hours", "With --knn-requery active: a full interval "
                                                                 "(everyone, new index) this often.", "float"),
+    Flag("--state-rebuild-hours", "precompute.state_rebuild_hours", "The interval's state (histories, counters) "
+                                                                    "is updated from the previous interval's, and "
+                                                                    "rebuilt from the lookback this often (0: "
+                                                                    "every interval).", "float"),
     Flag("--aggregate-hours", "precompute.aggregate_hours", "Window of the user aggregate.", "float"),
     Flag("--miss-hours", "precompute.miss_hours", "Serving misses recorded this many hours before T are forced "
                                                   "into the selection.", "float"),

@@ -8,6 +8,7 @@ steps outside Spark (``table``, sorted by time, user, item like ``events.read_ev
 from __future__ import annotations
 
 import os
+import uuid
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,6 +32,11 @@ class EventLog:
     def table(self, start=None, end=None, columns: list[str] | None = None) -> pa.Table:
         return ev.read_events(self.root, start, end, columns)
 
+    def fingerprint(self, start=None, end=None) -> str:
+        """What the rows of ``[start, end)`` are, to tell later whether they changed: a digest of the log's files
+        of those hours (``events.log_fingerprint``)."""
+        return "log:" + ev.log_fingerprint(self.root, start, end)
+
 
 class EventTable:
     """Events already read: a pyarrow Table or pandas DataFrame (conformed to the event contract), or a Spark
@@ -38,6 +44,9 @@ class EventTable:
 
     def __init__(self, events, name: str = "<events in memory>"):
         self.name = name
+        # Events in memory do not change, but another table may come under the same name: only this object's
+        # own earlier reads are known to be these rows.
+        self.token = uuid.uuid4().hex
         self._arrow: pa.Table | None = None
         self._df = None
         if hasattr(events, "sparkSession"):
@@ -61,6 +70,10 @@ class EventTable:
         if end is not None:
             df = df.where(F.col("event_timestamp") < F.lit(ev.to_utc(end).to_pydatetime()))
         return df
+
+    def fingerprint(self, start=None, end=None) -> str:
+        """This table's rows are fixed: the same token for any bounds, valid in this process only."""
+        return "table:" + self.token
 
     def unpersist(self) -> None:
         """Drops the cached Spark copy of an Arrow table (a replay calls this when it is done)."""

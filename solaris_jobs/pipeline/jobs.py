@@ -129,8 +129,21 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     vm = (models.vm if models is not None and models.vm is not None
           else model_refs.resolve(s.models, ("vm",)).vm)
     source = event_source(events, s.data)
-    ev = source.spark(spark, start=read_from(T, cfg.lookback_days, start), end=T)
-    prior = cache(pc.prior_events(ev, T, cfg.lookback_days))
+    history_len = _state_history_len(s, models)
+    # The log's files are fingerprinted before they are read: a file added in between makes the next interval
+    # rebuild (the digest misses it), never miss it.
+    base, full_because = _state_base(s, cfg, source, start, T, history_len)
+    log = source.fingerprint(_covers_from(T, cfg.lookback_days), T) if history_len is not None else None
+
+    def read(first):
+        return source.spark(spark, start=first, end=T)
+    # With the previous interval's state (the lookback's histories and counters) only the hours the pool's windows
+    # need are read, the whole lookback only if the request simulator runs; without, the whole lookback, once.
+    ev = read(read_from(T, cfg.lookback_days, start) if base is None
+              else min(start, T - pd.Timedelta(hours=_near_hours(cfg))))
+    near = cache(pc.prior_events(ev, T, cfg.lookback_days))
+    whole = (lambda: near) if base is None else functools.cache(
+        lambda: cache(pc.prior_events(read(read_from(T, cfg.lookback_days, start)), T, cfg.lookback_days)))
     # Bad rows of the interval itself are set aside with their reason (earlier ones were, by earlier runs).
     _, bad = pc.split_bad_events(ev.where(F.col("event_timestamp") >= F.lit(start.to_pydatetime())))
     staged = off.stage(bad, s.offline, "rejects", T)
@@ -140,25 +153,25 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         logger.warning("set aside %d bad event rows of the interval: %s", n_bad, rejects_path)
     misses = off.read_misses(spark, s.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
     budgeted = cfg.budget_per_row is not None
-    users = cache(pc.active_users(prior, T, cfg.active_hours, misses))
-    recent = pc.recent_pairs(prior, T, cfg.recent_hours) if cfg.recent_hours > 0 else None
+    users = cache(pc.active_users(near, T, cfg.active_hours, misses))
+    recent = pc.recent_pairs(near, T, cfg.recent_hours) if cfg.recent_hours > 0 else None
     n_budget = expected = None
     if budgeted:
-        n_budget, expected = pc.budget_pairs(prior, start, T, cfg.budget_per_row, cfg.budget_window_hours)
+        n_budget, expected = pc.budget_pairs(near, start, T, cfg.budget_per_row, cfg.budget_window_hours)
     # One pool: under a budget the misses are candidates like the others (inside the budget); without one they
     # are forced in on top of the verifier's share.
-    simulated = pc.candidate_pairs(prior, users, T, cfg.simulator)
     skipped_simulator = False
     if budgeted and cfg.select_priority == "recency" and not cfg.exclusion_runs and recent is not None:
         # Ranked by recency, the simulator's candidates (never ranked) come after every recently ranked or missed
         # pair: when those alone fill the budget, no simulator candidate can be selected, so none is computed.
-        known = cache(pc.candidate_pool(simulated.limit(0), recent, misses))
+        known = cache(pc.candidate_pool(None, recent, misses))
         if known.count() >= n_budget:
-            simulated, skipped_simulator = simulated.limit(0), True
+            skipped_simulator = True
         else:
             known.unpersist()
     # Without simulator candidates the pool is the one just counted (cached): not computed a second time.
-    cands = known if skipped_simulator else cache(pc.candidate_pool(simulated, recent, misses if budgeted else None))
+    cands = known if skipped_simulator else cache(pc.candidate_pool(
+        pc.candidate_pairs(whole(), users, T, cfg.simulator), recent, misses if budgeted else None))
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -166,7 +179,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         bottoms = off.read_intervals(spark, s.offline, "selection", past).where("bottom") \
             .select(F.col("run"), "user_id", "item_id")
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
-    uc, ic = pc.counters(prior)
+    hist, uc, ic = _state_of(spark, s, cfg, source, T, history_len, base, near, cache)
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
@@ -180,7 +193,10 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     sel = sel.withColumn("run", F.lit(T.to_pydatetime()).cast("timestamp"))
     n_users, n_cands, n_excl = users.count(), cands.count(), excluded.count()
     staged = off.stage(sel, s.offline, "selection", T)
-    state = _write_state(spark, s, T, prior, _state_history_len(s, models), uc, ic, off.RUN + staged.run, clock)
+    state = _write_state(spark, s, T, (hist, uc, ic), history_len, off.RUN + staged.run, clock, log=log,
+                         full_at=T if base is None else pd.Timestamp(base[1]["full_at"]))
+    if state is not None:
+        state.update(built="full" if base is None else "incremental", full_because=full_because)
     written = spark.read.parquet(staged.path)
     agg = written.agg(F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
                       F.sum((F.col("source") == "miss").cast("int")).alias("misses")).first()
@@ -220,10 +236,11 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
         # No state from the selection with these settings: the log is read here, and the state written for the
         # neighbours step.
         source = event_source(events, s.data)
+        log = source.fingerprint(_covers_from(T, cfg.lookback_days), T)
         prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                       cfg.lookback_days))
-        uc, ic = pc.counters(prior)
-        _write_state(spark, s, T, prior, cfg.history_len, uc, ic, _selection_run(s, T), clock)
+        _write_state(spark, s, T, (pc.user_histories(prior, cfg.history_len), *pc.counters(prior)), cfg.history_len,
+                     _selection_run(s, T), clock, log=log, full_at=T)
         state = _read_state(spark, s, cfg, T)
     hist, uc, ic = state
     users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist, "user_id", "left")
@@ -307,21 +324,87 @@ def _state_history_len(s: Settings, models) -> int | None:
         return None
 
 
-def _write_state(spark, s: Settings, T: pd.Timestamp, prior, history_len: int | None, uc, ic,
-                 selection_run: str | None, clock):
-    """Writes the interval's state from ``prior`` (the lookback's events, read once): ``user_histories`` (every
-    user's last ``history_len`` events), ``user_counters`` and ``item_counters``, for the selection run
-    ``selection_run``. Returns its stats."""
+def _write_state(spark, s: Settings, T: pd.Timestamp, state, history_len: int | None, selection_run: str | None,
+                 clock, *, log: str, full_at: pd.Timestamp):
+    """Writes the interval's state, ``(user_histories`` (every user's last ``history_len`` events),
+    ``user_counters``, ``item_counters)``, for the selection run ``selection_run``, with what the next interval
+    needs to update it: the fingerprint of the log's files it was read from (``log``) and when it was last rebuilt
+    from the whole lookback (``full_at``). Returns its stats."""
     if history_len is None:
         return None
-    key = {"interval_end": T.isoformat(), **_state_key(history_len, s.precompute.lookback_days, selection_run)}
-    staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(STATE, (pc.user_histories(prior, history_len), uc,
-                                                                          ic))}
+    key = {"interval_end": T.isoformat(), **_state_key(history_len, s.precompute.lookback_days, selection_run),
+           "log": log, "full_at": full_at.isoformat()}
+    staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(STATE, state)}
     rows = {d: spark.read.parquet(st.path).count() for d, st in staged.items()}
     for d, st in staged.items():
         _publish(st, {**key, "rows": rows[d]}, clock)
     return {**key, "users": rows["user_counters"], "users_with_history": rows["user_histories"],
             "items": rows["item_counters"]}
+
+
+def _covers_from(T: pd.Timestamp, lookback_days: float | None) -> pd.Timestamp | None:
+    """The first event time the state at T holds (None: the whole log)."""
+    return None if lookback_days is None else T - pd.Timedelta(days=lookback_days)
+
+
+def _near_hours(cfg) -> float:
+    """The hours before T that the selection's pool reads (active users, recently ranked pairs, the budget's
+    window): all it reads of the log when the state is updated and the request simulator does not run."""
+    return max(cfg.active_hours, cfg.recent_hours, cfg.budget_window_hours if cfg.budget_per_row else 0.0)
+
+
+STATE_FIELDS = ("interval_end", "history_len", "lookback_days", "log", "full_at")
+
+
+def _state_base(s: Settings, cfg, source, start: pd.Timestamp, T: pd.Timestamp, history_len: int | None):
+    """The previous interval's state this interval's is updated from: ((its end, its stats), None), or (None, why
+    the state is rebuilt from the whole lookback)."""
+    if history_len is None:
+        return None, "no FM history length"
+    if not cfg.state_rebuild_hours:
+        return None, "state_rebuild_hours 0"
+    prev = off.list_intervals(s.offline, STATE[0], before=T, last=1)
+    if not prev:
+        return None, "no earlier state"
+    P = prev[0]
+    if P != start:
+        return None, f"the last state ends at {P.isoformat()}, not at this interval's start"
+    stats = [off.read_stats(s.offline, d, P) or {} for d in STATE]
+    first = {k: stats[0].get(k) for k in STATE_FIELDS}
+    if None in (first["log"], first["full_at"]) or any({k: st.get(k) for k in STATE_FIELDS} != first
+                                                       for st in stats[1:]):
+        return None, f"the state of {P.isoformat()} is incomplete or from an older version"
+    if (first["history_len"], first["lookback_days"]) != (history_len, cfg.lookback_days):
+        return None, f"the state of {P.isoformat()} has another history length or lookback"
+    if T - pd.Timestamp(first["full_at"]) >= pd.Timedelta(hours=cfg.state_rebuild_hours):
+        return None, f"its last full rebuild ({first['full_at']}) is {cfg.state_rebuild_hours:g} h old or more"
+    if not all(off.is_complete(s.offline, d, P) for d in STATE):
+        return None, f"the state of {P.isoformat()} is gone"
+    if source.fingerprint(_covers_from(P, cfg.lookback_days), P) != first["log"]:
+        return None, (f"the events the state of {P.isoformat()} was read from changed since (a late event in an "
+                      "old hour, a rewritten file, another event source)")
+    return (P, stats[0]), None
+
+
+def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, cache):
+    """The interval's state (histories, user counters, item counters): with no ``base``, of ``events`` (the
+    lookback's); else the previous interval's updated with ``events`` since its end and, with a lookback, less the
+    events that left it."""
+    if base is None:
+        uc, ic = pc.counters(events)
+        return (pc.user_histories(events, history_len) if history_len is not None else None), uc, ic
+    from pyspark.sql import functions as F
+    P = base[0]
+    hist, uc, ic = (off.read_interval(spark, s.offline, d, P) for d in STATE)
+    new = events.where(F.col("event_timestamp") >= F.lit(P.to_pydatetime()))
+    gone = (None, None)
+    since = _covers_from(T, cfg.lookback_days)
+    if since is not None:
+        left = pc.prior_events(source.spark(spark, start=_covers_from(P, cfg.lookback_days), end=since), since, None)
+        gone = pc.counters(left)
+    added = pc.counters(new)
+    uc, ic = (cache(pc.merge_counters(*x)) for x in zip((uc, ic), added, gone))
+    return pc.merge_histories(hist, new, history_len, since), uc, ic
 
 
 def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):
@@ -337,15 +420,6 @@ def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):
     except FileNotFoundError:                      # replaced or removed since its stats were read
         logger.info("the state of %s is gone: reading the log", T)
         return None
-
-
-def _histories(spark, s: Settings, cfg, T: pd.Timestamp, prior):
-    """Every user's history at T: from the interval's state when it was made with these settings, else computed
-    from ``prior`` (the events of the interval's lookback). Returns (histories, whether the state was read)."""
-    state = _read_state(spark, s, cfg, T)
-    if state is not None:
-        return state[0], True
-    return pc.user_histories(prior, cfg.history_len), False
 
 
 KNN_STATE_SETTINGS = ("knn_k", "knn_exact_max", "knn_hnsw_m", "knn_ef_search", "history_len", "lookback_days")
@@ -406,12 +480,17 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     cfg = _with_history_len(s, models)
     version = models.embedding_version
     source = event_source(events, s.data)
-    prior = pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T, cfg.lookback_days)
+
+    def prior(first=read_from(T, cfg.lookback_days)):
+        return pc.prior_events(source.spark(spark, start=first, end=T), T, cfg.lookback_days)
     base, full_because = _knn_base(s, cfg, T, version)
-    hist, reused = _histories(spark, s, cfg, T, prior)
+    # Every user's history and who has events in the lookback: the interval's state when it was made with these
+    # settings, else the log.
+    state = _read_state(spark, s, cfg, T)
+    reused = state is not None
+    hist = state[0] if reused else pc.user_histories(prior(), cfg.history_len)
     if base is not None:
-        changed = cache(prior.where(F.col("event_timestamp") >= F.lit(base[0].to_pydatetime()))
-                        .select("user_id").distinct())
+        changed = cache(prior(base[0]).select("user_id").distinct())
         hist = hist.join(changed, "user_id", "left_semi")
     uemb = cache(pc.embed_users(hist, models.fm, T, cfg))
     n_bad = uemb.where(F.col("reject_reason").isNotNull()).count()
@@ -434,8 +513,7 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
         index_ids, index_at = ids, T
     else:
         _, index_at = base
-        now = source.spark(spark, start=read_from(T, cfg.lookback_days), end=T)
-        now = pc.prior_events(now, T, cfg.lookback_days).select("user_id").distinct().toArrow().column(0).to_numpy()
+        now = (state[1] if reused else prior()).select("user_id").distinct().toArrow().column(0).to_numpy()
         gone = np.concatenate([changed.toArrow().column(0).to_numpy(), new_ids])
         prev_ids = prev.column("user_id").to_numpy()
         keep = np.isin(prev_ids, now) & ~np.isin(prev_ids, gone)

@@ -147,15 +147,31 @@ def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig):
 # ----------------------------------------------------------------------------------------------- counters
 
 def counters(prior):
-    """Per-user and per-item (events, labelled events, positives) before T: the VM's and FM's counters."""
+    """Per-user and per-item (events, labelled events, positives) before T: the VM's and FM's counters, as exact
+    integer counts (the models read them as float32)."""
     from pyspark.sql import functions as F
 
     def agg(key, prefix):
-        return prior.groupBy(key).agg(F.count("*").cast("float").alias(f"{prefix}_cnt"),
-                                      F.count("label").cast("float").alias(f"{prefix}_known"),
-                                      F.sum(F.when(F.col("label") == 1, 1).otherwise(0)).cast("float")
+        return prior.groupBy(key).agg(F.count("*").alias(f"{prefix}_cnt"),
+                                      F.count("label").alias(f"{prefix}_known"),
+                                      F.sum(F.when(F.col("label") == 1, 1).otherwise(0)).cast("long")
                                       .alias(f"{prefix}_pos"))
     return agg("user_id", "user"), agg("item_id", "item")
+
+
+def merge_counters(prev, new, expired=None):
+    """The counters at T from those at the previous cutoff: ``prev`` + the counters of the events since - those of
+    the events that left the lookback (``expired``, None: nothing left), keys whose count fell to 0 dropped; equal
+    to ``counters`` of the lookback's events. All three: (key, <prefix>_cnt, _known, _pos), one ``counters`` side."""
+    from pyspark.sql import functions as F
+    key, *cols = prev.columns
+    parts = [prev, new.select(key, *cols)]
+    if expired is not None:
+        parts.append(expired.select(key, *[(-F.col(c)).alias(c) for c in cols]))
+    both = parts[0]
+    for p in parts[1:]:
+        both = both.unionByName(p)
+    return both.groupBy(key).agg(*[F.sum(c).cast("long").alias(c) for c in cols]).where(F.col(cols[0]) > 0)
 
 
 def with_counters(pairs, user_counts, item_counts):
@@ -270,12 +286,13 @@ def candidate_pool(simulated, recent=None, misses=None):
     candidates; null otherwise) and ``last_seen`` (latest ranking or miss; null for pairs never ranked).
 
     Args:
-        simulated: (user_id, item_id, source, retrieval_score) from ``candidate_pairs``.
+        simulated: (user_id, item_id, source, retrieval_score) from ``candidate_pairs``, or None (then
+            ``recent`` or ``misses`` is given).
         recent: (user_id, item_id, last_seen) from ``recent_pairs``, or None.
         misses: (user_id, item_id, missed_at), or None.
     """
     from pyspark.sql import functions as F
-    parts = [simulated.withColumn("last_seen", F.lit(None).cast("timestamp"))]
+    parts = [simulated.withColumn("last_seen", F.lit(None).cast("timestamp"))] if simulated is not None else []
     if recent is not None:
         parts.append(recent.select("user_id", "item_id", F.lit("recent").alias("source"),
                                    F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
@@ -370,6 +387,32 @@ def user_histories(prior, history_len: int):
 
 
 HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
+
+
+def merge_histories(prev, new_events, history_len: int, since=None):
+    """Every user's history at T from the histories at the previous cutoff (``user_histories`` there) and the
+    events since, all later than any event of ``prev``: the user's last ``history_len`` of both, the new events'
+    own ordering as ``user_histories``'s. ``since``: entries of ``prev`` older than it (they left the lookback) are
+    dropped first; users left with none get no row. Equal to ``user_histories`` of all the lookback's events: a
+    user's history at the previous cutoff holds every one of their events more recent than its oldest entry."""
+    from pyspark.sql import functions as F
+    L = int(history_len)
+    new = user_histories(new_events, L)
+    old = prev.select("user_id", *[F.col(c).alias(f"_o{c}") for c in HIST_COLS])
+    if since is not None:
+        cut = F.lit(pd.Timestamp(since).value // 1000)
+        # Each array is sorted by time, so the entries that left the lookback are a prefix.
+        n_out = F.size(F.filter("_ohist_ts", lambda x: x < cut))
+        old = old.select("user_id", *[F.slice(f"_o{c}", n_out + 1, L).alias(f"_o{c}") for c in HIST_COLS])
+    both = old.join(new, "user_id", "full_outer")
+    types = dict(new.dtypes)
+    empty = {c: F.array().cast(types[c]) for c in HIST_COLS}
+    n_new = F.size(F.coalesce(F.col("hist_ts"), empty["hist_ts"]))
+    n_old = F.size(F.coalesce(F.col("_ohist_ts"), empty["hist_ts"]))
+    keep = F.least(n_old, F.lit(L) - n_new)
+    merged = both.select("user_id", *[F.concat(F.slice(F.coalesce(F.col(f"_o{c}"), empty[c]), n_old - keep + 1, keep),
+                                               F.coalesce(F.col(c), empty[c])).alias(c) for c in HIST_COLS])
+    return merged.where(F.size("hist_ts") > 0)
 PAIR_COLS = ["item_id", *ITEM_COUNTER_COLS]
 
 
