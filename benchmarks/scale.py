@@ -28,6 +28,16 @@ log as lookback, 24 h aggregate window; ``knn_requery all`` (the evaluation's de
 budgeted candidate pool must scale too" and that outputs stay what the evaluation measured: this is that pool.
 Its figures go to ``scale_evaluated.json`` / ``.png``; the default configuration's stay in ``scale.json``.
 
+``--steady`` (added 2026-12-04, with the state that select updates from the previous interval's, and before any
+run of it) measures a steady-state hourly interval instead of the first one of a run: the hour before the log's
+last runs first (every stage, in its own process: its figures are kept as ``previous``), then the last hour in a
+fresh process, as production's next hourly run would: its state (histories and counters) is updated from the
+previous interval's instead of rebuilt from the whole lookback, and only the last 24 h of the log are read unless
+the request simulator runs. Everything else is the configuration's (``knn_requery all``: every user re-embedded
+and re-queried each hour). ``--knn-requery active`` (a secondary figure, not what the evaluation measured)
+re-embeds and re-queries only the users with an event since the previous interval, against its index. Figures go
+to ``scale[_<config>]_steady[_knn_active].json``.
+
 Saves benchmarks/results/scale.json and benchmarks/results/scale.png (time and memory vs users, log-log, with the
 linear reference through the smallest size).
 """
@@ -35,7 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 import os
 import subprocess
 import sys
@@ -69,8 +79,6 @@ def train_models(data: Path, out: Path) -> dict:
 def settings_for(config: str, data: Path, offline: Path, models: Path, master: str):
     """The refresh settings of ``config``: ``default`` (the product's defaults, with the overrides of the docstring)
     or ``evaluated`` (what the replay evaluation measured, from its own code)."""
-    from dataclasses import replace
-
     from solaris_jobs.core.settings import Settings, apply_flags
     if config == "evaluated":
         from solaris_jobs.evaluation import run as ev
@@ -84,8 +92,10 @@ def settings_for(config: str, data: Path, offline: Path, models: Path, master: s
 
 
 def one_size(users: int, items: int, days: float, work: Path, models: Path, master: str,
-             config: str = "default") -> dict:
-    """Generates the log for ``users``, then runs its last hour through every stage; the figures as a dict."""
+             config: str = "default", phase: str = "cold", knn_requery: str | None = None) -> dict:
+    """Generates the log for ``users``, then runs its last hour through every stage; the figures as a dict.
+    ``phase``: ``cold`` (the first interval: the offline store starts empty), ``previous`` (the hour before the
+    last, the offline store emptied first) or ``steady`` (the last hour after ``previous``: its outputs kept)."""
     import pandas as pd
 
     from solaris_jobs.data import synth
@@ -110,12 +120,14 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
     if not (models / "vm.pt").exists():
         model_info = train_models(data, models)
         print(f"trained the models on it in {model_info['seconds']} s", flush=True)
-    end = pd.Timestamp(cfg.start) + pd.Timedelta(days=days)
+    end = pd.Timestamp(cfg.start) + pd.Timedelta(days=days) - pd.Timedelta(hours=int(phase == "previous"))
     start = end - pd.Timedelta(hours=1)
-    if offline.exists():                                   # outputs of an earlier run: the interval starts clean
+    if phase != "steady" and offline.exists():            # outputs of an earlier run: the interval starts clean
         import shutil
         shutil.rmtree(offline)
     s = settings_for(config, data, offline, models, master)
+    if knn_requery:
+        s = replace(s, precompute=replace(s.precompute, knn_requery=knn_requery))
     stages: dict = {}
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server, PeakRSS() as total:
         t_all = time.perf_counter()
@@ -151,7 +163,7 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
         print(f"  materialize: {stages['materialize']['seconds']} s", flush=True)
         wall = time.perf_counter() - t_all
     sel, emb = stages["select"]["stats"], stages["embed"]["stats"]
-    return {"users": users, "config": config, "items": items, "days": days, "generate": gen, "models": model_info,
+    return {"users": users, "config": config, "phase": phase, "items": items, "days": days, "generate": gen, "models": model_info,
             "precompute": asdict(s.precompute),
             "interval": [start.isoformat(), end.isoformat()], "spark_start_seconds": spark_start,
             "stages": stages, "seconds": round(wall, 1), "peak_rss_mb": round(total.peak / 2**20),
@@ -192,12 +204,20 @@ def main() -> None:
                     help="The refresh settings: the product's defaults, or those the replay evaluation measured.")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/scale.json (scale_evaluated.json)")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--steady", action="store_true", help="A steady-state interval: the last hour after the one "
+                                                             "before it (see above).")
+    ap.add_argument("--knn-requery", choices=("all", "active"), default=None,
+                    help="Override the configuration's knn_requery (with --steady).")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)   # the child process of one size
+    ap.add_argument("--phase", default="cold", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    out = Path(args.out or OUT / ("scale.json" if args.config == "default" else f"scale_{args.config}.json"))
+    name = "scale" + ("" if args.config == "default" else f"_{args.config}") + ("_steady" if args.steady else "") \
+        + (f"_knn_{args.knn_requery}" if args.knn_requery else "")
+    out = Path(args.out or OUT / f"{name}.json")
     if args.one:
         work = Path(args.work)
-        r = one_size(args.one, args.items, args.days, work, work / "models", args.master, args.config)
+        r = one_size(args.one, args.items, args.days, work, work / "models", args.master, args.config, args.phase,
+                     args.knn_requery)
         print("RESULT " + json.dumps(r, default=str), flush=True)
         return
     if args.plot_only:
@@ -205,10 +225,11 @@ def main() -> None:
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="solaris_scale_"))
     results = json.loads(out.read_text())["results"] if out.exists() else []
-    for n in args.users:
+    def child(n: int, phase: str) -> dict | None:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, __file__, "--one", str(n), "--items", str(args.items), "--days",
-                                 str(args.days), "--master", args.master, "--work", str(work), "--config", args.config],
+        cmd = [sys.executable, __file__, "--one", str(n), "--items", str(args.items), "--days", str(args.days),
+               "--master", args.master, "--work", str(work), "--config", args.config, "--phase", phase]
+        proc = subprocess.Popen(cmd + (["--knn-requery", args.knn_requery] if args.knn_requery else []),
                                 stdout=subprocess.PIPE, text=True)
         r = None
         for line in proc.stdout:
@@ -217,7 +238,20 @@ def main() -> None:
             else:
                 print(line, end="", flush=True)
         if proc.wait() != 0 or r is None:
-            print(f"users {n:,}: failed (exit {proc.returncode}) after {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"users {n:,} ({phase}): failed (exit {proc.returncode}) after {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            return None
+        return r
+
+    for n in args.users:
+        if args.steady:
+            prev = child(n, "previous")
+            r = child(n, "steady") if prev is not None else None
+            if r is not None:
+                r["previous"] = prev
+        else:
+            r = child(n, "cold")
+        if r is None:
             break
         results = [x for x in results if x["users"] != n] + [r]
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +260,8 @@ def main() -> None:
                                    "results": sorted(results, key=lambda x: x["users"])}, indent=2) + "\n")
         print(f"users {n:,}: interval {r['seconds']} s ({r['seconds'] / n * 1e3:.2f} ms per user), peak "
               f"{r['peak_rss_mb']} MB, {r['pairs_selected']:,} pairs selected, {r['pairs_per_s']} pairs/s "
-              f"end to end; per stage (s) {[r['stages'][st]['seconds'] for st in STAGES]}", flush=True)
+              f"end to end; per stage (s) {[r['stages'][st]['seconds'] for st in STAGES]}; state "
+              f"{(r['stages']['select']['stats'].get('state') or {}).get('built')}", flush=True)
     if results:
         plot(results, out.with_suffix(".png"))
 
