@@ -147,6 +147,8 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
                     st = jobs.run(spark, s, start, end, (step,))[step]
                 seconds = round(time.perf_counter() - t0, 1)
                 n_jobs = len(sc.statusTracker().getJobIdsForGroup(step)) if sc is not None else None
+                if step == "select" and phase == "steady" and (st.get("state") or {}).get("built") != "incremental":
+                    raise RuntimeError(f"the steady-state interval rebuilt its state: {st.get('state')}")
                 stages[step] = {"seconds": seconds, "peak_rss_mb": round(m.peak / 2**20), "spark_jobs": n_jobs,
                                 "stats": st}
                 print(f"  {step}: {stages[step]['seconds']} s, {n_jobs} Spark jobs, peak "

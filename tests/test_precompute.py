@@ -479,6 +479,18 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
             assert ev.read_events(data, T - lookback - pd.Timedelta(hours=1), T - lookback).num_rows > 0  # left
     # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before.
     assert built == ["full", "incremental", "incremental", "full"]
+    # The evaluated configuration: the whole log as lookback (nothing leaves), a budget ranked by recency whose
+    # recently ranked pairs fill it, so that only the last 24 h are read.
+    ev_cfg = replace(cfg, lookback_days=None, recent_hours=24, budget_per_row=0.5, select_priority="recency")
+    whole_log = [replace(x, offline=x.offline + "_all", precompute=replace(
+        ev_cfg, state_rebuild_hours=x.precompute.state_rebuild_hours)) for x in (inc, ref)]
+    for h in (1, 2):
+        T2 = start + pd.Timedelta(hours=h + 1)
+        got = jobs.select(spark, whole_log[0], T2 - pd.Timedelta(hours=1), T2)
+        assert got["state"]["built"] == ("full", "incremental")[h - 1] and got["simulator_skipped"]
+    jobs.select(spark, whole_log[1], T2 - pd.Timedelta(hours=1), T2, events=memory)
+    for d in ("selection", *jobs.STATE):
+        assert_same_frames(read_sorted(whole_log[1].offline, d, T2), read_sorted(whole_log[0].offline, d, T2), d)
 
     def why_full(settings, source, T):
         return jobs._state_base(settings, settings.precompute, source, T - pd.Timedelta(hours=1), T, 10)[1]
@@ -489,6 +501,12 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     assert why_full(replace(ref, precompute=cfg), memory, T3) is None
     assert "changed" in why_full(replace(ref, precompute=cfg), log, T3)
     assert "changed" in why_full(inc, memory, nxt)
+    # What leaves the lookback between two cutoffs: only what the earlier state held (a lookback shorter than the
+    # interval: all of it, not the events since).
+    hour, day = pd.Timedelta(hours=1), pd.Timedelta(days=1)
+    assert jobs._leaving(T, T + hour, 1.0) == (T - day, T - day + hour)
+    assert jobs._leaving(T, T + 3 * hour, 1 / 24) == (T - hour, T)
+    assert jobs._leaving(T, T + hour, None) is None
     # A gap: the last state does not end at the interval's start.
     assert "not at this interval's start" in why_full(inc, log, nxt + pd.Timedelta(hours=1))
     # A late event in an hour the state covers (a new file in an old hour folder): the next interval rebuilds.

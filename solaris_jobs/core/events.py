@@ -195,11 +195,21 @@ def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str
     return table.sort_by([("event_timestamp", "ascending"), ("user_id", "ascending"), ("item_id", "ascending")])
 
 
-def log_fingerprint(root: str | os.PathLike, start=None, end=None) -> str:
-    """A digest of the log's files that can hold events of ``[start, end)``: path, size and modification time of
-    every file in the hour folders overlapping it (and of any file outside the ``date=/hour=`` layout). Equal
-    digests: the log's rows of those hours are those read before; a late event written into an old hour, or a file
-    rewritten, changes it. Only the listing is read (the day folders of the bounds, then their files).
+DAY_FOLDER = r"date=(\d{4}-\d{2}-\d{2})"
+
+
+def overlaps(first: pd.Timestamp, length: pd.Timedelta, start=None, end=None) -> bool:
+    """Whether ``[first, first + length)`` (a day or hour folder of the log) can hold events of ``[start, end)``."""
+    return (start is None or first + length > to_utc(start)) and (end is None or first < to_utc(end))
+
+
+def log_fingerprints(root: str | os.PathLike, ranges) -> list[str]:
+    """For each ``(start, end)`` of ``ranges`` (either bound may be None), a digest of the log's files that can hold
+    its events: path, size and modification time of every file in the hour folders overlapping it (and of any
+    file outside the ``date=/hour=`` layout). Equal digests: the log's rows of those hours are those read before;
+    a late event written into an old hour, or a file rewritten, changes it. One listing serves every range (the
+    day folders of their bounds, then their files), so the digests describe the log at one moment. The layout's
+    contract: a row lies in the hour folder of its ``event_timestamp`` (``write_events``).
 
     Raises:
         DataContractError: there is no event log under ``root``.
@@ -211,29 +221,27 @@ def log_fingerprint(root: str | os.PathLike, start=None, end=None) -> str:
     fs, base = filesystem(events_uri(root))
     if fs.get_file_info(base).type != pafs.FileType.Directory:
         raise DataContractError(f"{root}: no event log (expected {base}/date=YYYY-MM-DD/hour=HH/*.parquet)")
-    lo = to_utc(start) if start is not None else None
-    hi = to_utc(end) if end is not None else None
-
-    def overlaps(t0: pd.Timestamp, length: pd.Timedelta) -> bool:
-        return (lo is None or t0 + length > lo) and (hi is None or t0 < hi)
-
-    files = []
+    ranges = list(ranges)
+    firsts, lasts = [r[0] for r in ranges], [r[1] for r in ranges]
+    lo = None if None in firsts or not ranges else min(map(to_utc, firsts))
+    hi = None if None in lasts or not ranges else max(map(to_utc, lasts))
+    files = []                                       # (hour folder's start or None, "path size mtime")
     for day in fs.get_file_info(pafs.FileSelector(base)):
-        m = re.fullmatch(r"date=(\d{4}-\d{2}-\d{2})", day.base_name)
+        m = re.fullmatch(DAY_FOLDER, day.base_name)
         if m and day.type == pafs.FileType.Directory and not overlaps(pd.Timestamp(m.group(1), tz="UTC"),
-                                                                       pd.Timedelta(days=1)):
+                                                                       pd.Timedelta(days=1), lo, hi):
             continue
         sub = [day] if day.type == pafs.FileType.File else fs.get_file_info(pafs.FileSelector(day.path,
                                                                                             recursive=True))
         for f in sub:
-            if f.type != pafs.FileType.File:
-                continue
-            rel = f.path[len(base):].lstrip("/")
-            h = re.fullmatch(r"date=(\d{4}-\d{2}-\d{2})/hour=(\d{2})/[^/]+", rel)
-            if h and not overlaps(pd.Timestamp(f"{h.group(1)}T{h.group(2)}:00", tz="UTC"), pd.Timedelta(hours=1)):
-                continue
-            files.append(f"{rel}\t{f.size}\t{f.mtime_ns}")
-    return hashlib.sha256("\n".join(sorted(files)).encode()).hexdigest()
+            if f.type == pafs.FileType.File:
+                rel = f.path[len(base):].lstrip("/")
+                h = re.fullmatch(DAY_FOLDER + r"/hour=(\d{2})/[^/]+", rel)
+                files.append((pd.Timestamp(f"{h.group(1)}T{h.group(2)}:00", tz="UTC") if h else None,
+                              f"{rel}\t{f.size}\t{f.mtime_ns}"))
+    hour = pd.Timedelta(hours=1)
+    return [hashlib.sha256("\n".join(sorted(line for at, line in files if at is None or overlaps(at, hour, s, e)))
+                           .encode()).hexdigest() for s, e in ranges]
 
 
 def bad_event_counts(table: pa.Table) -> dict[str, int]:

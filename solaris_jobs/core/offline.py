@@ -23,9 +23,9 @@ the steps outside Spark (pyarrow's file systems). Outputs written by earlier ver
 with ``_SUCCESS``, no pointer) are still read.
 
 Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection``, the interval's state
-from the selection's one read of the log (``user_histories``: every user's last events before T as the FM reads
-them; ``user_counters``, ``item_counters``: events, labelled events and positives), read by ``embed`` and
-``neighbours``, ``pair_embeddings``,
+written by the selection (``user_histories``: every user's last events before T as the FM reads them;
+``user_counters``, ``item_counters``: events, labelled events and positives), read by ``embed`` and
+``neighbours`` and updated by the next interval's selection, ``pair_embeddings``,
 ``embedding_rejects`` (pairs whose FM output was not finite, with a ``reason``), ``user_aggregates``,
 ``user_embeddings`` (with each user's neighbour list and the time the vector was computed), ``neighbours``, and
 ``knn_index`` (the FAISS index of a full neighbours interval, files not parquet: ``index.faiss``, ``ids.npy``).

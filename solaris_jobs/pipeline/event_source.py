@@ -32,10 +32,10 @@ class EventLog:
     def table(self, start=None, end=None, columns: list[str] | None = None) -> pa.Table:
         return ev.read_events(self.root, start, end, columns)
 
-    def fingerprint(self, start=None, end=None) -> str:
-        """What the rows of ``[start, end)`` are, to tell later whether they changed: a digest of the log's files
-        of those hours (``events.log_fingerprint``)."""
-        return "log:" + ev.log_fingerprint(self.root, start, end)
+    def fingerprints(self, ranges) -> list[str]:
+        """For each ``(start, end)``, what the rows of those hours are, to tell later whether they changed: a
+        digest of the log's files there, all from one listing (``events.log_fingerprints``)."""
+        return ["log:" + d for d in ev.log_fingerprints(self.root, ranges)]
 
 
 class EventTable:
@@ -71,9 +71,9 @@ class EventTable:
             df = df.where(F.col("event_timestamp") < F.lit(ev.to_utc(end).to_pydatetime()))
         return df
 
-    def fingerprint(self, start=None, end=None) -> str:
+    def fingerprints(self, ranges) -> list[str]:
         """This table's rows are fixed: the same token for any bounds, valid in this process only."""
-        return "table:" + self.token
+        return ["table:" + self.token for _ in ranges]
 
     def unpersist(self) -> None:
         """Drops the cached Spark copy of an Arrow table (a replay calls this when it is done)."""

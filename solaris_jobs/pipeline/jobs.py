@@ -109,9 +109,9 @@ def _releases_caches(step):
 def read_from(T: pd.Timestamp, lookback_days: float | None, start=None) -> pd.Timestamp | None:
     """The earliest event time a step reads for the cutoff T: the lookback's start (None: the whole log), or the
     interval's ``start`` when that is earlier (the selection sets the interval's bad rows aside)."""
-    if lookback_days is None:
+    first = pc.lookback_start(T, lookback_days)
+    if first is None:
         return None
-    first = T - pd.Timedelta(days=lookback_days)
     return min(first, to_utc(start)) if start is not None else first
 
 
@@ -119,9 +119,11 @@ def read_from(T: pd.Timestamp, lookback_days: float | None, start=None) -> pd.Ti
 def select(spark, s: Settings, start, end, *, events=None, models=None, clock=None,
            cache=None) -> dict:
     """Candidate selection: active users (+ missed), request-simulator candidates, negative exclusion, verifier
-    scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval, and from the same read of
-    the log the interval's state that ``embed`` and ``neighbours`` read instead of the log: ``user_histories``
-    (every user's history at T), ``user_counters`` and ``item_counters``."""
+    scores, top share selected. Outputs: ``rejects`` and ``selection`` for the interval, and the interval's state
+    that ``embed`` and ``neighbours`` read instead of the log, and the next interval's select updates:
+    ``user_histories`` (every user's history at T), ``user_counters`` and ``item_counters``. The state is the
+    previous interval's updated with the events since when it can be (``_state_base``), else made from this run's
+    one read of the lookback."""
     from pyspark.sql import functions as F
     t0 = time.perf_counter()
     start, T = interval(start, end)
@@ -130,20 +132,20 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
           else model_refs.resolve(s.models, ("vm",)).vm)
     source = event_source(events, s.data)
     history_len = _state_history_len(s, models)
-    # The log's files are fingerprinted before they are read: a file added in between makes the next interval
-    # rebuild (the digest misses it), never miss it.
-    base, full_because = _state_base(s, cfg, source, start, T, history_len)
-    log = source.fingerprint(_covers_from(T, cfg.lookback_days), T) if history_len is not None else None
+    base, full_because, log = _state_base(s, cfg, source, start, T, history_len)
 
     def read(first):
         return source.spark(spark, start=first, end=T)
-    # With the previous interval's state (the lookback's histories and counters) only the hours the pool's windows
-    # need are read, the whole lookback only if the request simulator runs; without, the whole lookback, once.
-    ev = read(read_from(T, cfg.lookback_days, start) if base is None
-              else min(start, T - pd.Timedelta(hours=_near_hours(cfg))))
+    # With the previous interval's state (the lookback's histories and counters) and a pool that may do without
+    # the request simulator, only the hours the pool's windows need are read, the whole lookback only if the
+    # simulator runs; else the whole lookback, once.
+    lookback = read_from(T, cfg.lookback_days, start)
+    first = lookback if base is None or not _simulator_may_be_skipped(cfg) else \
+        min(start, T - pd.Timedelta(hours=_near_hours(cfg)))
+    ev = read(first)
     near = cache(pc.prior_events(ev, T, cfg.lookback_days))
-    whole = (lambda: near) if base is None else functools.cache(
-        lambda: cache(pc.prior_events(read(read_from(T, cfg.lookback_days, start)), T, cfg.lookback_days)))
+    whole = (lambda: near) if first == lookback else functools.cache(
+        lambda: cache(pc.prior_events(read(lookback), T, cfg.lookback_days)))
     # Bad rows of the interval itself are set aside with their reason (earlier ones were, by earlier runs).
     _, bad = pc.split_bad_events(ev.where(F.col("event_timestamp") >= F.lit(start.to_pydatetime())))
     staged = off.stage(bad, s.offline, "rejects", T)
@@ -161,7 +163,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     # One pool: under a budget the misses are candidates like the others (inside the budget); without one they
     # are forced in on top of the verifier's share.
     skipped_simulator = False
-    if budgeted and cfg.select_priority == "recency" and not cfg.exclusion_runs and recent is not None:
+    if _simulator_may_be_skipped(cfg):
         # Ranked by recency, the simulator's candidates (never ranked) come after every recently ranked or missed
         # pair: when those alone fill the budget, no simulator candidate can be selected, so none is computed.
         known = cache(pc.candidate_pool(None, recent, misses))
@@ -179,7 +181,10 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         bottoms = off.read_intervals(spark, s.offline, "selection", past).where("bottom") \
             .select(F.col("run"), "user_id", "item_id")
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
-    hist, uc, ic = _state_of(spark, s, cfg, source, T, history_len, base, near, cache)
+    hist, uc, ic, full_because = _state_of(spark, s, cfg, source, T, history_len, base, near, whole, cache,
+                                           full_because)
+    if full_because is not None:
+        base = None
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
@@ -236,7 +241,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
         # No state from the selection with these settings: the log is read here, and the state written for the
         # neighbours step.
         source = event_source(events, s.data)
-        log = source.fingerprint(_covers_from(T, cfg.lookback_days), T)
+        log = source.fingerprints([(read_from(T, cfg.lookback_days), T)])[0]
         prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                       cfg.lookback_days))
         _write_state(spark, s, T, (pc.user_histories(prior, cfg.history_len), *pc.counters(prior)), cfg.history_len,
@@ -342,69 +347,98 @@ def _write_state(spark, s: Settings, T: pd.Timestamp, state, history_len: int | 
             "items": rows["item_counters"]}
 
 
-def _covers_from(T: pd.Timestamp, lookback_days: float | None) -> pd.Timestamp | None:
-    """The first event time the state at T holds (None: the whole log)."""
-    return None if lookback_days is None else T - pd.Timedelta(days=lookback_days)
-
-
 def _near_hours(cfg) -> float:
     """The hours before T that the selection's pool reads (active users, recently ranked pairs, the budget's
     window): all it reads of the log when the state is updated and the request simulator does not run."""
     return max(cfg.active_hours, cfg.recent_hours, cfg.budget_window_hours if cfg.budget_per_row else 0.0)
 
 
+def _simulator_may_be_skipped(cfg) -> bool:
+    """Under a budget ranked by recency, without exclusion, with recently ranked pairs in the pool: the request
+    simulator's candidates (never ranked) come after every recently ranked or missed pair, and are not computed
+    when those alone fill the budget."""
+    return (cfg.budget_per_row is not None and cfg.select_priority == "recency" and not cfg.exclusion_runs
+            and cfg.recent_hours > 0)
+
+
+def _leaving(P: pd.Timestamp, T: pd.Timestamp, lookback_days: float | None):
+    """The events of the state at P that have left the lookback at T: ``[start, end)``, or None (none can)."""
+    if lookback_days is None:
+        return None
+    first, last = read_from(P, lookback_days), min(read_from(T, lookback_days), P)
+    return (first, last) if first < last else None
+
+
 STATE_FIELDS = ("interval_end", "history_len", "lookback_days", "log", "full_at")
 
 
 def _state_base(s: Settings, cfg, source, start: pd.Timestamp, T: pd.Timestamp, history_len: int | None):
-    """The previous interval's state this interval's is updated from: ((its end, its stats), None), or (None, why
-    the state is rebuilt from the whole lookback)."""
+    """The previous interval's state this interval's is updated from, and the log's fingerprint to record with it.
+
+    One listing of the log, before anything is read, gives every fingerprint (a file that lands after it is in
+    no fingerprint: the next interval sees it and rebuilds): of the hours the new state will hold (recorded), of
+    those the previous state held (compared with its record), of those that leave the lookback now (compared again
+    after they are read, ``_state_of``).
+
+    Returns:
+        ((the previous state's end, its stats, the leaving hours and their fingerprint), None, log), or
+        (None, why the state is rebuilt from the whole lookback, log); log is None without a state to write.
+    """
     if history_len is None:
-        return None, "no FM history length"
-    if not cfg.state_rebuild_hours:
-        return None, "state_rebuild_hours 0"
+        return None, "no FM history length", None
+    record = (read_from(T, cfg.lookback_days), T)
     prev = off.list_intervals(s.offline, STATE[0], before=T, last=1)
-    if not prev:
-        return None, "no earlier state"
+    if not cfg.state_rebuild_hours or not prev:
+        return None, "state_rebuild_hours 0" if prev else "no earlier state", source.fingerprints([record])[0]
     P = prev[0]
+    leaving = _leaving(P, T, cfg.lookback_days)
+    log, held, left = source.fingerprints([record, (read_from(P, cfg.lookback_days), P), leaving or record])
     if P != start:
-        return None, f"the last state ends at {P.isoformat()}, not at this interval's start"
+        return None, f"the last state ends at {P.isoformat()}, not at this interval's start", log
     stats = [off.read_stats(s.offline, d, P) or {} for d in STATE]
     first = {k: stats[0].get(k) for k in STATE_FIELDS}
     if None in (first["log"], first["full_at"]) or any({k: st.get(k) for k in STATE_FIELDS} != first
                                                        for st in stats[1:]):
-        return None, f"the state of {P.isoformat()} is incomplete or from an older version"
+        return None, f"the state of {P.isoformat()} is incomplete or from an older version", log
     if (first["history_len"], first["lookback_days"]) != (history_len, cfg.lookback_days):
-        return None, f"the state of {P.isoformat()} has another history length or lookback"
+        return None, f"the state of {P.isoformat()} has another history length or lookback", log
     if T - pd.Timestamp(first["full_at"]) >= pd.Timedelta(hours=cfg.state_rebuild_hours):
-        return None, f"its last full rebuild ({first['full_at']}) is {cfg.state_rebuild_hours:g} h old or more"
+        return None, f"its last full rebuild ({first['full_at']}) is {cfg.state_rebuild_hours:g} h old or more", log
     if not all(off.is_complete(s.offline, d, P) for d in STATE):
-        return None, f"the state of {P.isoformat()} is gone"
-    if source.fingerprint(_covers_from(P, cfg.lookback_days), P) != first["log"]:
+        return None, f"the state of {P.isoformat()} is gone", log
+    if held != first["log"]:
         return None, (f"the events the state of {P.isoformat()} was read from changed since (a late event in an "
-                      "old hour, a rewritten file, another event source)")
-    return (P, stats[0]), None
+                      "old hour, a rewritten file, another event source)"), log
+    return (P, stats[0], leaving, left), None, log
 
 
-def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, cache):
-    """The interval's state (histories, user counters, item counters): with no ``base``, of ``events`` (the
-    lookback's); else the previous interval's updated with ``events`` since its end and, with a lookback, less the
-    events that left it."""
-    if base is None:
-        uc, ic = pc.counters(events)
-        return (pc.user_histories(events, history_len) if history_len is not None else None), uc, ic
-    from pyspark.sql import functions as F
-    P = base[0]
-    hist, uc, ic = (off.read_interval(spark, s.offline, d, P) for d in STATE)
-    new = events.where(F.col("event_timestamp") >= F.lit(P.to_pydatetime()))
-    gone = (None, None)
-    since = _covers_from(T, cfg.lookback_days)
-    if since is not None:
-        left = pc.prior_events(source.spark(spark, start=_covers_from(P, cfg.lookback_days), end=since), since, None)
-        gone = pc.counters(left)
-    added = pc.counters(new)
-    uc, ic = (cache(pc.merge_counters(*x)) for x in zip((uc, ic), added, gone))
-    return pc.merge_histories(hist, new, history_len, since), uc, ic
+def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, whole, cache, full_because):
+    """The interval's state (histories, user counters, item counters) and why it was rebuilt (None: it was
+    updated): with no ``base``, of ``whole()`` (the lookback's events); else the previous interval's updated with
+    ``events`` since its end and, with a lookback, less the events that left it. When the leaving hours' files
+    changed between the listing and their read, the update is dropped for a rebuild."""
+    if base is not None:
+        from pyspark.sql import functions as F
+        P, _, leaving, left = base
+        hist, uc, ic = (off.read_interval(spark, s.offline, d, P) for d in STATE)
+        new = events.where(F.col("event_timestamp") >= F.lit(P.to_pydatetime()))
+        gone = (None, None)
+        if leaving is not None:
+            gone = pc.counters(pc.prior_events(source.spark(spark, start=leaving[0], end=leaving[1]), leaving[1],
+                                               None))
+        uc, ic = (cache(pc.merge_counters(*x)) for x in zip((uc, ic), pc.counters(new), gone))
+        if leaving is None:
+            return pc.merge_histories(hist, new, history_len, None), uc, ic, None
+        uc.count(), ic.count()                          # the leaving hours are read now
+        if source.fingerprints([leaving])[0] == left:
+            return pc.merge_histories(hist, new, history_len, read_from(T, cfg.lookback_days)), uc, ic, None
+        uc.unpersist(), ic.unpersist()
+        full_because = (f"the log's files of {leaving[0].isoformat()}-{leaving[1].isoformat()} changed while they "
+                        "were read")
+        logger.warning("state of %s: %s; rebuilding it from the whole lookback", T, full_because)
+    prior = whole()
+    uc, ic = pc.counters(prior)
+    return (pc.user_histories(prior, history_len) if history_len is not None else None), uc, ic, full_because
 
 
 def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):

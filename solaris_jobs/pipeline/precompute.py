@@ -12,6 +12,7 @@ driver except the FAISS step in ``solaris_jobs.pipeline.knn``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -48,14 +49,22 @@ def split_bad_events(events):
 PRIOR_COLS = ("user_id", "item_id", "event_timestamp", "label", "rating")
 
 
+def lookback_start(cutoff, lookback_days: float | None) -> pd.Timestamp | None:
+    """The first event time the lookback of ``cutoff`` holds, in whole microseconds as the log's times are (None:
+    the whole log)."""
+    if lookback_days is None:
+        return None
+    return pd.Timestamp(pd.Timestamp(cutoff).to_pydatetime() - pd.Timedelta(days=lookback_days).to_pytimedelta())
+
+
 def prior_events(events, cutoff, lookback_days: float | None):
     """Valid events strictly before ``cutoff`` (and not older than ``lookback_days``), ``PRIOR_COLS`` only; see
     ``split_bad_events`` for what is set aside (the selection job counts and writes those)."""
     from pyspark.sql import functions as F
-    t = pd.Timestamp(cutoff).to_pydatetime()
-    out = split_bad_events(events)[0].where(F.col("event_timestamp") < F.lit(t))
-    if lookback_days is not None:
-        out = out.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(days=lookback_days).to_pytimedelta()))
+    out = split_bad_events(events)[0].where(F.col("event_timestamp") < F.lit(pd.Timestamp(cutoff).to_pydatetime()))
+    first = lookback_start(cutoff, lookback_days)
+    if first is not None:
+        out = out.where(F.col("event_timestamp") >= F.lit(first.to_pydatetime()))
     return out.select(*PRIOR_COLS)
 
 
@@ -168,14 +177,12 @@ def merge_counters(prev, new, expired=None):
     parts = [prev, new.select(key, *cols)]
     if expired is not None:
         parts.append(expired.select(key, *[(-F.col(c)).alias(c) for c in cols]))
-    both = parts[0]
-    for p in parts[1:]:
-        both = both.unionByName(p)
+    both = functools.reduce(lambda a, b: a.unionByName(b), parts)
     return both.groupBy(key).agg(*[F.sum(c).cast("long").alias(c) for c in cols]).where(F.col(cols[0]) > 0)
 
 
 def with_counters(pairs, user_counts, item_counts):
-    zero = {f"{p}_{k}": 0.0 for p in ("user", "item") for k in ("cnt", "known", "pos")}
+    zero = {f"{p}_{k}": 0 for p in ("user", "item") for k in ("cnt", "known", "pos")}
     return pairs.join(user_counts, "user_id", "left").join(item_counts, "item_id", "left").fillna(zero)
 
 
@@ -300,9 +307,7 @@ def candidate_pool(simulated, recent=None, misses=None):
         parts.append(misses.groupBy("user_id", "item_id").agg(F.max("missed_at").alias("last_seen"))
                      .select("user_id", "item_id", F.lit("miss").alias("source"),
                              F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
-    pool = parts[0]
-    for p in parts[1:]:
-        pool = pool.unionByName(p)
+    pool = functools.reduce(lambda a, b: a.unionByName(b), parts)
     order = F.array_position(F.array(*[F.lit(x) for x in POOL_SOURCES]), F.col("source"))
     # One hash aggregation per pair (a window over (user, item) would sort the whole pool); a source appears at
     # most once per pair, so the first in POOL_SOURCES order is the one with the smallest position.
@@ -372,16 +377,18 @@ def force_misses(selection, misses):
 # ----------------------------------------------------------------------------------------------- FM inference
 
 def user_histories(prior, history_len: int):
-    """Each user's last ``history_len`` events before T as parallel arrays sorted by time (oldest first)."""
+    """Each user's last ``history_len`` events before T as parallel arrays sorted by time (oldest first): the last
+    in the order of the arrays themselves (time, item, label (null: -1), rating (as int, null: 0)), so that the
+    history at T is the last of the history at an earlier cutoff and the events since (``merge_histories``)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
-    w = Window.partitionBy("user_id").orderBy(F.desc("event_timestamp"), F.desc("item_id"), F.desc("label"),
-                                              F.desc("rating"))
-    last = prior.withColumn("k", F.row_number().over(w)).where(F.col("k") <= history_len)
-    rows = F.sort_array(F.collect_list(F.struct(
-        F.unix_micros("event_timestamp").alias("ts"), F.col("item_id").alias("item"),
-        F.coalesce(F.col("label").cast("int"), F.lit(-1)).alias("label"),
-        F.coalesce(F.col("rating").cast("int"), F.lit(0)).alias("rating"))))
+    fields = {"ts": F.unix_micros("event_timestamp"), "item": F.col("item_id"),
+              "label": F.coalesce(F.col("label").cast("int"), F.lit(-1)),
+              "rating": F.coalesce(F.col("rating").cast("int"), F.lit(0))}
+    cols = prior.select("user_id", *[v.alias(k) for k, v in fields.items()])
+    w = Window.partitionBy("user_id").orderBy(*[F.desc(k) for k in fields])
+    last = cols.withColumn("k", F.row_number().over(w)).where(F.col("k") <= history_len)
+    rows = F.sort_array(F.collect_list(F.struct(*fields)))
     return last.groupBy("user_id").agg(rows.alias("h")).select(
         "user_id", *[F.col("h")[f].alias(f"hist_{f}") for f in ("ts", "item", "label", "rating")])
 

@@ -115,17 +115,11 @@ def event_folders(base, start=None, end=None) -> list[str] | None:
     prefix = "file://" if scheme else ""
     if not root.is_dir():
         return None
-    lo = ev.to_utc(start) if start is not None else None
-    hi = ev.to_utc(end) if end is not None else None
-    days = [d for d in sorted(root.iterdir()) if d.is_dir() and re.fullmatch(r"date=\d{4}-\d{2}-\d{2}", d.name)]
-
-    def overlaps(d):
-        t = pd.Timestamp(d.name.removeprefix("date="), tz="UTC")
-        return (lo is None or t + pd.Timedelta(days=1) > lo) and (hi is None or t < hi)
-
+    days = [d for d in sorted(root.iterdir()) if d.is_dir() and re.fullmatch(ev.DAY_FOLDER, d.name)]
     if not days:
         return None                          # not the contract's layout: Spark reads (and fails on) the folder
-    keep = [d for d in days if overlaps(d)]
+    keep = [d for d in days if ev.overlaps(pd.Timestamp(d.name.removeprefix("date="), tz="UTC"), pd.Timedelta(days=1),
+                                           start, end)]
     return [prefix + str(root)] if len(keep) == len(days) else [prefix + str(d) for d in keep]
 
 
