@@ -40,10 +40,9 @@ def main() -> None:
     ap.add_argument("--top-stages", type=int, default=15)
     a = ap.parse_args()
     work = Path(a.work)
-    data = work / f"data_{a.users}"
+    data, offline = scale.folders(work, a.users, a.days, a.config)
     if not (data / "manifest.json").exists() or not (work / "models" / "vm.pt").exists():
         sys.exit(f"no log or models under {work}: run benchmarks/scale.py --users {a.users} --work {work} first")
-    offline = work / (f"offline_{a.users}" if a.config == "default" else f"offline_{a.config}_{a.users}")
     s = scale.settings_for(a.config, data, offline, work / "models", "local[2]")
     cfg = synth.SynthConfig(users=a.users, items=a.items, days=a.days, seed=0)
     end = pd.Timestamp(cfg.start) + pd.Timedelta(days=a.days)

@@ -38,6 +38,11 @@ and re-queried each hour). ``--knn-requery active`` (a secondary figure, not wha
 re-embeds and re-queries only the users with an event since the previous interval, against its index. Figures go
 to ``scale[_<config>]_steady[_knn_active].json``.
 
+``--days 30 --users 10000 --steady --config evaluated`` (added 2026-12-04 evening, before its run): the same
+traffic per user over 30 days, the default lookback, so that the whole-log lookback of the evaluated configuration
+is 15x what the pool's 24 h window reads: what the state's update saves when the lookback is long. A log of other
+than 2 days has its own folders (``data_<users>_<days>d``); the models are the same.
+
 Saves benchmarks/results/scale.json and benchmarks/results/scale.png (time and memory vs users, log-log, with the
 linear reference through the smallest size).
 """
@@ -91,6 +96,13 @@ def settings_for(config: str, data: Path, offline: Path, models: Path, master: s
         "precompute.knn_requery": "all"})
 
 
+def folders(work: Path, users: int, days: float, config: str) -> tuple[Path, Path]:
+    """The log's and the outputs' folders of a size (a log of other than 2 days gets its own)."""
+    suffix = f"_{days:g}d" if days != 2.0 else ""
+    return (work / f"data_{users}{suffix}",
+            work / (f"offline_{users}{suffix}" if config == "default" else f"offline_{config}_{users}{suffix}"))
+
+
 def one_size(users: int, items: int, days: float, work: Path, models: Path, master: str,
              config: str = "default", phase: str = "cold", knn_requery: str | None = None) -> dict:
     """Generates the log for ``users``, then runs its last hour through every stage; the figures as a dict.
@@ -104,8 +116,7 @@ def one_size(users: int, items: int, days: float, work: Path, models: Path, mast
     from solaris_jobs.pipeline import jobs
     from tests.support import RedisServer, feast_yaml
 
-    data = work / f"data_{users}"
-    offline = work / (f"offline_{users}" if config == "default" else f"offline_{config}_{users}")
+    data, offline = folders(work, users, days, config)
     cfg = synth.SynthConfig(users=users, items=items, days=days, seed=0)
     if (data / "manifest.json").exists():                  # a log of an earlier run of the same size
         gen = {"reused": True, "rows": json.loads((data / "manifest.json").read_text())["events"]}
