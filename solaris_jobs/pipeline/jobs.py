@@ -244,8 +244,8 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
         log = source.fingerprints([(read_from(T, cfg.lookback_days), T)])[0]
         prior = cache(pc.prior_events(source.spark(spark, start=read_from(T, cfg.lookback_days), end=T), T,
                                       cfg.lookback_days))
-        _write_state(spark, s, T, (pc.user_histories(prior, cfg.history_len), *pc.counters(prior)), cfg.history_len,
-                     _selection_run(s, T), clock, log=log, full_at=T)
+        _write_state(spark, s, T, pc.interval_state(prior, cfg.history_len), cfg.history_len, _selection_run(s, T),
+                     clock, log=log, full_at=T)
         state = _read_state(spark, s, cfg, T)
     hist, uc, ic = state
     users = pc.pairs_by_user(pc.with_counters(selected, uc, ic)).join(hist, "user_id", "left")
@@ -436,9 +436,9 @@ def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, who
         full_because = (f"the log's files of {leaving[0].isoformat()}-{leaving[1].isoformat()} changed while they "
                         "were read")
         logger.warning("state of %s: %s; rebuilding it from the whole lookback", T, full_because)
-    prior = whole()
-    uc, ic = pc.counters(prior)
-    return (pc.user_histories(prior, history_len) if history_len is not None else None), uc, ic, full_because
+    if history_len is None:                             # no state is written: only the counters are used
+        return (None, *pc.counters(whole()), full_because)
+    return (*pc.interval_state(whole(), history_len), full_because)
 
 
 def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):

@@ -396,6 +396,12 @@ def user_histories(prior, history_len: int):
 HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
 
 
+def interval_state(prior, history_len: int):
+    """The interval's state rebuilt from the lookback's events: (``user_histories``, user counters, item
+    counters)."""
+    return (user_histories(prior, history_len), *counters(prior))
+
+
 def merge_histories(prev, new_events, history_len: int, since=None):
     """Every user's history at T from the histories at the previous cutoff (``user_histories`` there) and the
     events since, all later than any event of ``prev``: the user's last ``history_len`` of both, the new events'
