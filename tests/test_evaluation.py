@@ -125,6 +125,40 @@ def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
     assert pc.expected_rows(48, T0, T0 + pd.Timedelta(hours=1), 24) == 2.0
 
 
+def test_the_budget_reach_ranks_and_selects_as_the_whole_pool(spark):
+    """Under a budget ranked by recency the verifier scores only the pool's part the budget can reach: that part's
+    priority ranks, scores and selection are those of ranking the whole pool, and nothing outside it is selected."""
+    from solaris_jobs.pipeline import precompute as pc
+    rng = np.random.default_rng(5)
+    n = 3000
+    # Pairs ranked over 3 hours, many in the same second and minute (ties broken by the score, then the ids);
+    # a tenth never ranked (null last_seen: after every ranked pair).
+    seen = pd.Series(T0 + pd.to_timedelta(rng.integers(0, 180, n) * 60 + rng.integers(0, 3, n), unit="s"))
+    pool = pd.DataFrame({"user_id": rng.integers(0, 200, n), "item_id": rng.permutation(n),
+                         "source": "recent", "retrieval_score": np.float32(np.nan),
+                         "last_seen": seen.where(rng.random(n) > 0.1),
+                         "vm_score": (rng.integers(0, 5, n) / 5).astype(np.float32)})
+    scored = spark.createDataFrame(pool, "user_id long, item_id long, source string, retrieval_score float, "
+                                         "last_seen timestamp, vm_score float").cache()
+    key = ["user_id", "item_id"]
+    cols = [*key, "vm_score", "priority_rank", "selected"]
+    ranked_pairs = int(pool.last_seen.notna().sum())
+    for budget in (1, 40, 777, ranked_pairs, ranked_pairs + 1):
+        whole = pc.select_budget(scored, budget, "recency", 0.5).toPandas()
+        reach = pc.budget_reach(scored, budget)
+        assert (reach is None) == (budget > ranked_pairs)
+        part = pc.select_budget(pc.within_reach(scored, reach), budget, "recency", 0.5, reach is None).toPandas()
+        if reach is not None:
+            assert part["rank"].isna().all() and part["bottom"].isna().all()
+            assert len(part) < len(whole) or budget == ranked_pairs
+        got = part[cols].sort_values(key).reset_index(drop=True)
+        want = whole.merge(part[key], on=key)[cols].sort_values(key).reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, want)
+        assert int(part.selected.sum()) == int(whole.selected.sum()) == min(budget, n)
+        beyond = whole.merge(part[key], on=key, how="left", indicator=True).query("_merge == 'left_only'")
+        assert not beyond.selected.any() and (beyond.priority_rank > budget).all()
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 TINY = ev.EvalConfig(

@@ -181,6 +181,10 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         bottoms = off.read_intervals(spark, s.offline, "selection", past).where("bottom") \
             .select(F.col("run"), "user_id", "item_id")
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
+    # Without simulator candidates, the budget reaches only the most recently ranked part of the pool: the verifier
+    # scores and ranks that part alone, with the ranks and the selection of a ranking of the whole pool.
+    reach = pc.budget_reach(cands, n_budget) if skipped_simulator else None
+    kept = pc.within_reach(kept, reach)
     hist, uc, ic, full_because = _state_of(spark, s, cfg, source, T, history_len, base, near, whole, cache,
                                            full_because)
     if full_because is not None:
@@ -188,9 +192,10 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
-        sel = pc.select_budget(scored, n_budget, cfg.select_priority, cfg.exclusion_share)
+        sel = pc.select_budget(scored, n_budget, cfg.select_priority, cfg.exclusion_share, reach is None)
         budget = {"budget_per_row": cfg.budget_per_row, "budget_pairs": n_budget, "expected_rows": expected,
-                  "select_priority": cfg.select_priority, "simulator_skipped": skipped_simulator}
+                  "select_priority": cfg.select_priority, "simulator_skipped": skipped_simulator,
+                  "budget_reach": None if reach is None else pd.Timestamp(reach, unit="us", tz="UTC").isoformat()}
     else:
         considered = cands.groupBy("user_id").agg(F.count("*").alias("n_considered"))
         sel = pc.select_pairs(scored, cfg.select_share, cfg.select_scope, cfg.exclusion_share, considered)
@@ -205,10 +210,17 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     written = spark.read.parquet(staged.path)
     agg = written.agg(F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
                       F.sum((F.col("source") == "miss").cast("int")).alias("misses")).first()
-    by_source = {r["source"]: {"pool": r["pool"], "selected": r["selected"]} for r in written.groupBy("source").agg(
-        F.count("*").alias("pool"), F.sum(F.col("selected").cast("int")).alias("selected")).collect()}
+    if reach is None:
+        by_source = {r["source"]: {"pool": r["pool"], "selected": r["selected"]} for r in written.groupBy(
+            "source").agg(F.count("*").alias("pool"), F.sum(F.col("selected").cast("int")).alias("selected")).collect()}
+    else:
+        # The selection holds the reached part of the pool; the pool's counts come from the pool.
+        chosen = {r["source"]: r["count"] for r in written.where("selected").groupBy("source").count().collect()}
+        by_source = {r["source"]: {"pool": r["count"], "selected": chosen.get(r["source"], 0)}
+                     for r in cands.groupBy("source").count().collect()}
     stats = {"interval_end": T.isoformat(), "rejected_events": n_bad, "users": n_users, "pairs_considered": n_cands,
              "pairs_excluded": n_excl, "exclusion_history_runs": len(past), "pairs_scored": agg["scored"],
+             "pairs_beyond_reach": 0 if reach is None else n_cands - written.count(),
              "pairs_selected": agg["selected"] or 0,
              "forced_misses": 0 if budgeted else agg["misses"], "by_source": by_source, **budget,
              "select_share": cfg.select_share, "select_scope": cfg.select_scope, "verifier": vm.version,

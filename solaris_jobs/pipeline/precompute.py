@@ -341,23 +341,57 @@ def expected_rows(rows: int, start, cutoff, window_hours: float) -> float:
     return float(int(rows) * length / pd.Timedelta(hours=window_hours).value)
 
 
-def select_budget(scored, n_pairs: int, priority: str, bottom_share: float):
+def select_budget(scored, n_pairs: int, priority: str, bottom_share: float, within_user: bool = True):
     """Budgeted selection: one global ranking of the whole pool, the top ``n_pairs`` selected.
 
     ``priority``: ``verifier`` (by the verifier's score) or ``recency`` (most recently ranked or missed first, then
     the verifier's score; pairs never ranked last). Ties break by user and item id. Adds ``priority_rank`` (1 = first
-    in line for the FM), ``rank`` and ``bottom`` within the user (as ``select_pairs``) and ``selected``.
+    in line for the FM), ``rank`` and ``bottom`` within the user (as ``select_pairs``; null unless ``within_user``:
+    ``scored`` is then only the part of the pool the budget can reach, ``budget_reach``) and ``selected``.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     by_user = Window.partitionBy("user_id")
-    ranked = (scored.withColumn("n", F.count("*").over(by_user))
-              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
-    ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    if within_user:
+        ranked = (scored.withColumn("n", F.count("*").over(by_user))
+                  .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
+        ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    else:
+        ranked = scored.select("*", F.lit(None).cast("int").alias("rank"), F.lit(None).cast("boolean").alias("bottom"))
     keys = [F.desc_nulls_last("last_seen")] if priority == "recency" else []
     keys += [F.desc("vm_score"), "user_id", "item_id"]
     ranked = ranked.withColumn("priority_rank", F.row_number().over(Window.orderBy(*keys)))
     return ranked.withColumn("selected", F.col("priority_rank") <= F.lit(n_pairs)).drop("n")
+
+
+_MINUTE_US = 60_000_000
+
+
+def budget_reach(pool, n_pairs: int) -> int | None:
+    """Under a budget ranked by recency: where the budget's reach in the pool begins, as the start of a minute of
+    ``last_seen`` in epoch microseconds (None: the whole pool, when fewer than ``n_pairs`` pairs have a
+    ``last_seen``).
+
+    Every pair a budget of ``n_pairs`` can select has ``last_seen`` at or after the minute that holds the
+    ``n_pairs``-th latest one, and so does every pair ahead of such a pair in the ranking. The pairs of that part of
+    the pool therefore get the priority ranks and the selection of a ranking of the whole pool, and the verifier's
+    scores of the rest (they only order pairs the budget cannot reach) need not be computed. One Spark job: a count
+    per minute."""
+    from pyspark.sql import functions as F
+    minute = F.floor(F.unix_micros("last_seen") / _MINUTE_US)
+    counts = pool.where(F.col("last_seen").isNotNull()).groupBy(minute.alias("m")).count().collect()
+    total = 0
+    for m, n in sorted(((r["m"], r["count"]) for r in counts), reverse=True):
+        total += n
+        if total >= n_pairs:
+            return int(m) * _MINUTE_US
+    return None
+
+
+def within_reach(pool, reach: int | None):
+    """The pool's pairs from ``budget_reach`` on (all of it for None)."""
+    from pyspark.sql import functions as F
+    return pool if reach is None else pool.where(F.unix_micros("last_seen") >= F.lit(reach))
 
 
 def force_misses(selection, misses):
