@@ -143,10 +143,13 @@ def test_the_budget_reach_ranks_and_selects_as_the_whole_pool(spark):
     key = ["user_id", "item_id"]
     cols = [*key, "vm_score", "priority_rank", "selected"]
     ranked_pairs = int(pool.last_seen.notna().sum())
-    for budget in (1, 40, 777, ranked_pairs, ranked_pairs + 1):
+    latest = pool.last_seen.dropna().sort_values(ascending=False).to_numpy()
+    for budget in (0, 1, 40, 777, ranked_pairs, ranked_pairs + 1):
         whole = pc.select_budget(scored, budget, "recency", 0.5).toPandas()
         reach = pc.budget_reach(scored, budget)
         assert (reach is None) == (budget > ranked_pairs)
+        if 0 < budget <= ranked_pairs:       # the minute of the budget's last pair, no earlier
+            assert reach == pd.Timestamp(latest[budget - 1]).floor("min").value // 1000
         part = pc.select_budget(pc.within_reach(scored, reach), budget, "recency", 0.5, reach is None).toPandas()
         if reach is not None:
             assert part["rank"].isna().all() and part["bottom"].isna().all()

@@ -452,7 +452,7 @@ def test_merge_histories_hand_checked(spark):
 
 
 def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(spark, synth_root, synth_models,
-                                                                              tmp_path):
+                                                                              tmp_path, monkeypatch):
     """Select updates the interval's state (histories, counters) from the previous interval's with the new hour
     and, under a lookback, less the hour that left it: the state and the selection equal those of a full rebuild
     (here from the same events read once into memory). A full rebuild comes every ``state_rebuild_hours``, after a
@@ -491,6 +491,19 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     jobs.select(spark, whole_log[1], T2 - pd.Timedelta(hours=1), T2, events=memory)
     for d in ("selection", *jobs.STATE):
         assert_same_frames(read_sorted(whole_log[1].offline, d, T2), read_sorted(whole_log[0].offline, d, T2), d)
+    # The verifier scored only the part of the pool the budget reaches; scoring the whole pool selects the same
+    # pairs with the same priority ranks.
+    assert got["budget_reach"] is not None and got["pairs_beyond_reach"] > 0
+    assert got["pairs_scored"] + got["pairs_beyond_reach"] == got["pairs_considered"]
+    assert sum(v["pool"] for v in got["by_source"].values()) == got["pairs_considered"]
+    assert sum(v["selected"] for v in got["by_source"].values()) == got["pairs_selected"] == got["budget_pairs"]
+    monkeypatch.setattr(pc, "budget_reach", lambda pool, n: None)
+    whole_pool = replace(whole_log[1], offline=whole_log[1].offline + "_pool")
+    full = jobs.select(spark, whole_pool, T2 - pd.Timedelta(hours=1), T2, events=memory)
+    assert full["pairs_scored"] == full["pairs_considered"] == got["pairs_considered"] and "budget_reach" in full
+    picked = [read_sorted(x.offline, "selection", T2).query("selected")[["user_id", "item_id", "priority_rank"]]
+              .reset_index(drop=True) for x in (whole_pool, whole_log[0])]
+    assert_same_frames(picked[0], picked[1], "selected under the reach")
 
     def why_full(settings, source, T):
         return jobs._state_base(settings, settings.precompute, source, T - pd.Timedelta(hours=1), T, 10)[1]

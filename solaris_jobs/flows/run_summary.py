@@ -16,6 +16,7 @@ FIELDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "drain_misses": (("misses_moved", ("pairs",)), ("files", ("files",)), ("skipped", ("skipped",))),
     "select": (("users", ("users",)), ("pairs_considered", ("pairs_considered",)),
                ("pairs_excluded", ("pairs_excluded",)), ("pairs_scored", ("pairs_scored",)),
+               ("pairs_beyond_reach", ("pairs_beyond_reach",)), ("budget_reach", ("budget_reach",)),
                ("pairs_selected", ("pairs_selected",)), ("budget_pairs", ("budget_pairs",)),
                ("rejected_events", ("rejected_events",)), ("seconds", ("seconds",))),
     "embed": (("pairs", ("pairs",)), ("pairs_per_s", ("pairs_per_s",)),

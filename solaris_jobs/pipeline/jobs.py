@@ -183,13 +183,12 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     kept, excluded = pc.exclude_negatives(cands, bottoms, cfg.exclusion_runs)
     # Without simulator candidates, the budget reaches only the most recently ranked part of the pool: the verifier
     # scores and ranks that part alone, with the ranks and the selection of a ranking of the whole pool.
-    reach = pc.budget_reach(cands, n_budget) if skipped_simulator else None
-    kept = pc.within_reach(kept, reach)
+    reach = pc.budget_reach(kept, n_budget) if skipped_simulator else None
     hist, uc, ic, full_because = _state_of(spark, s, cfg, source, T, history_len, base, near, whole, cache,
                                            full_because)
     if full_because is not None:
         base = None
-    scored = pc.score_pairs(pc.with_counters(kept, uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
+    scored = pc.score_pairs(pc.with_counters(pc.within_reach(kept, reach), uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
         sel = pc.select_budget(scored, n_budget, cfg.select_priority, cfg.exclusion_share, reach is None)
@@ -208,19 +207,18 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     if state is not None:
         state.update(built="full" if base is None else "incremental", full_because=full_because)
     written = spark.read.parquet(staged.path)
-    agg = written.agg(F.count("vm_score").alias("scored"), F.sum(F.col("selected").cast("int")).alias("selected"),
+    agg = written.agg(F.count("*").alias("rows"), F.count("vm_score").alias("scored"),
+                      F.sum(F.col("selected").cast("int")).alias("selected"),
                       F.sum((F.col("source") == "miss").cast("int")).alias("misses")).first()
-    if reach is None:
-        by_source = {r["source"]: {"pool": r["pool"], "selected": r["selected"]} for r in written.groupBy(
-            "source").agg(F.count("*").alias("pool"), F.sum(F.col("selected").cast("int")).alias("selected")).collect()}
-    else:
-        # The selection holds the reached part of the pool; the pool's counts come from the pool.
-        chosen = {r["source"]: r["count"] for r in written.where("selected").groupBy("source").count().collect()}
-        by_source = {r["source"]: {"pool": r["count"], "selected": chosen.get(r["source"], 0)}
-                     for r in cands.groupBy("source").count().collect()}
+    rows = {r["source"]: (r["pool"], r["selected"]) for r in written.groupBy("source").agg(
+        F.count("*").alias("pool"), F.sum(F.col("selected").cast("int")).alias("selected")).collect()}
+    # The pool per source: the selection's rows, or under a reach (the selection holds only that part) the pool's.
+    pool = {k: n for k, (n, _) in rows.items()} if reach is None else \
+        {r["source"]: r["count"] for r in kept.groupBy("source").count().collect()}
+    by_source = {k: {"pool": n, "selected": rows.get(k, (0, 0))[1] or 0} for k, n in pool.items()}
     stats = {"interval_end": T.isoformat(), "rejected_events": n_bad, "users": n_users, "pairs_considered": n_cands,
              "pairs_excluded": n_excl, "exclusion_history_runs": len(past), "pairs_scored": agg["scored"],
-             "pairs_beyond_reach": 0 if reach is None else n_cands - written.count(),
+             "pairs_beyond_reach": n_cands - n_excl - agg["rows"] if reach is not None else 0,
              "pairs_selected": agg["selected"] or 0,
              "forced_misses": 0 if budgeted else agg["misses"], "by_source": by_source, **budget,
              "select_share": cfg.select_share, "select_scope": cfg.select_scope, "verifier": vm.version,

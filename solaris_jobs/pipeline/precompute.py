@@ -379,9 +379,12 @@ def budget_reach(pool, n_pairs: int) -> int | None:
     per minute."""
     from pyspark.sql import functions as F
     minute = F.floor(F.unix_micros("last_seen") / _MINUTE_US)
-    counts = pool.where(F.col("last_seen").isNotNull()).groupBy(minute.alias("m")).count().collect()
+    counts = sorted(((r["m"], r["count"]) for r in pool.where(F.col("last_seen").isNotNull())
+                     .groupBy(minute.alias("m")).count().collect()), reverse=True)
+    if counts and n_pairs <= 0:
+        return (int(counts[0][0]) + 1) * _MINUTE_US          # no budget: nothing to score
     total = 0
-    for m, n in sorted(((r["m"], r["count"]) for r in counts), reverse=True):
+    for m, n in counts:
         total += n
         if total >= n_pairs:
             return int(m) * _MINUTE_US
