@@ -241,6 +241,17 @@ def exclude_negatives(scored_pairs, past_bottoms, runs: int):
     return scored_pairs.join(always, ["user_id", "item_id"], "left_anti"), excluded
 
 
+def _rank_within_user(scored, bottom_share: float):
+    """Adds, per user, ``n`` (the user's scored pairs), ``rank`` (by the verifier's score, ties by item id) and
+    ``bottom`` (the lowest ``bottom_share`` of them)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    by_user = Window.partitionBy("user_id")
+    ranked = (scored.withColumn("n", F.count("*").over(by_user))
+              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
+    return ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+
+
 def select_pairs(scored, share: float, scope: str, bottom_share: float, considered=None):
     """Marks the pairs sent to the FM (``selected``) and those in the user's bottom share (``bottom``).
 
@@ -250,12 +261,8 @@ def select_pairs(scored, share: float, scope: str, bottom_share: float, consider
     ``share * considered / scored`` top quantile of all scores. ``bottom``: the lowest ``bottom_share`` of the
     user's scored pairs. Ties break by item id.
     """
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
-    by_user = Window.partitionBy("user_id")
-    ranked = (scored.withColumn("n", F.count("*").over(by_user))
-              .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
-    ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+    ranked = _rank_within_user(scored, bottom_share)
     if considered is not None:
         ranked = ranked.join(considered, "user_id", "left") \
             .withColumn("n_budget", F.coalesce(F.col("n_considered"), F.col("n"))).drop("n_considered")
@@ -351,11 +358,8 @@ def select_budget(scored, n_pairs: int, priority: str, bottom_share: float, with
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
-    by_user = Window.partitionBy("user_id")
     if within_user:
-        ranked = (scored.withColumn("n", F.count("*").over(by_user))
-                  .withColumn("rank", F.row_number().over(by_user.orderBy(F.desc("vm_score"), "item_id"))))
-        ranked = ranked.withColumn("bottom", F.col("rank") > F.col("n") - F.floor(F.col("n") * F.lit(bottom_share)))
+        ranked = _rank_within_user(scored, bottom_share)
     else:
         ranked = scored.select("*", F.lit(None).cast("int").alias("rank"), F.lit(None).cast("boolean").alias("bottom"))
     keys = [F.desc_nulls_last("last_seen")] if priority == "recency" else []
