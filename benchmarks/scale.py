@@ -39,8 +39,8 @@ re-embeds and re-queries only the users with an event since the previous interva
 to ``scale[_<config>]_steady[_knn_active].json``.
 
 ``--days 30 --users 10000 --steady --config evaluated`` (added 2026-12-04 evening, before its run): the same
-traffic per user over 30 days, the default lookback, so that the whole-log lookback of the evaluated configuration
-is 15x what the pool's 24 h window reads: what the state's update saves when the lookback is long. A log of other
+traffic per user over 30 days, so that the evaluated configuration's lookback (the whole log) is 30x what the
+pool's 24 h window reads: what the state's update saves when the lookback is long. A log of other
 than 2 days has its own folders (``data_<users>_<days>d``); the models are the same.
 
 Saves benchmarks/results/scale.json and benchmarks/results/scale.png (time and memory vs users, log-log, with the
