@@ -451,6 +451,51 @@ def test_merge_histories_hand_checked(spark):
                    4: ([41], [6], [0], [0])}                                 # user 3's only event left: no row
 
 
+def test_covisit_counts_updated_with_new_and_leaving_events_equal_a_recount(spark):
+    """The co-visit counts of [b, T) from those of [a, P): plus the pairs whose later event is in [P, T) (with each
+    user's last events before P from the histories at P), less those whose earlier event is in [a, b) (with each
+    leaving user's next events: from the histories, or from the log where a user has more than a history's worth
+    of events after b). Random events with ties in time and item, both kinds of leaving users."""
+    from pyspark.sql import functions as F
+    rng = np.random.default_rng(3)
+    n = 4000
+    users = np.where(rng.random(n) < 0.5, rng.integers(1, 10, n), rng.integers(10, 300, n))   # heavy and light
+    ev_ = pd.DataFrame({"user_id": users, "item_id": rng.integers(1, 25, n),
+                        "event_timestamp": pd.to_datetime(rng.integers(0, 400, n), unit="s", utc=True),
+                        "label": rng.integers(0, 2, n), "rating": np.nan, "request_id": None, "vm_score": np.nan})
+    # A user whose history at P (the last 12) starts at one of two events at the same time after b: the next events
+    # of its one leaving event come from the log up to that time (both events) and from the history after it.
+    secs = [10, 51, 51, *range(52, 63)]
+    ev_ = pd.concat([ev_, ev_.iloc[:len(secs)].assign(user_id=1000, item_id=np.arange(1, len(secs) + 1),
+                                                      event_timestamp=pd.to_datetime(secs, unit="s", utc=True))])
+    ev_ = spark.createDataFrame(ev_, "user_id long, item_id long, event_timestamp timestamp, label int, "
+                                     "rating float, request_id long, vm_score float").cache()
+    at = {k: pd.Timestamp(v * 1_000_000, unit="us", tz="UTC") for k, v in dict(a=0, b=40, P=300, T=400).items()}
+
+    def between(x, y):
+        return ev_.where((F.col("event_timestamp") >= at[x].to_pydatetime())
+                         & (F.col("event_timestamp") < at[y].to_pydatetime()))
+
+    def frame(df):
+        return df.toPandas().sort_values(["seed", "item_id"]).reset_index(drop=True)
+    w, L = 3, 12
+    hist = pc.user_histories(between("a", "P"), L).cache()
+    sizes = hist.select(F.col("hist_ts")[0].alias("o")).toPandas()["o"]
+    b_us = at["b"].value // 1000
+    assert (sizes < b_us).sum() > 5 and (sizes >= b_us).sum() > 5        # both kinds of leaving users
+    added = pc.covisit_added(pc.history_events(hist, w, at["b"]), between("P", "T"), w)
+    after = jobs._after_leaving(spark, jobs.event_source(ev_), hist, between("a", "b"), at["b"], at["P"], w)
+    gone = pc.covisit_gone(between("a", "b"), after, w)
+    got = pc.merge_covisit(pc.covisit_counts(between("a", "P"), w), added, gone)
+    want = pc.covisit_counts(between("b", "T"), w)
+    assert_same_frames(frame(want), frame(got), "covisit counts")
+    assert frame(gone)["count"].sum() > 0 and frame(added)["count"].sum() > 0
+    # The top items per seed: ties in count go to the smaller item id.
+    ranked = frame(want).sort_values(["seed", "count", "item_id"], ascending=[True, False, True])
+    assert_same_frames(ranked.groupby("seed").head(2).sort_values(["seed", "item_id"]).reset_index(drop=True),
+                       frame(pc.covisit_top(want, 2)), "top 2")
+
+
 def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(spark, synth_root, synth_models,
                                                                               tmp_path, monkeypatch):
     """Select updates the interval's state (histories, counters) from the previous interval's with the new hour
@@ -470,15 +515,16 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     built = []
     for h in range(4):
         T = start + pd.Timedelta(hours=h + 1)
-        built.append(jobs.select(spark, inc, T - pd.Timedelta(hours=1), T)["state"]["built"])
+        state = jobs.select(spark, inc, T - pd.Timedelta(hours=1), T)["state"]
+        built.append((state["built"], state["covisit"]["built"]))
         if h in (1, 2):
             # The reference: a full rebuild from the whole lookback's events, read once into memory.
             assert jobs.select(spark, ref, T - pd.Timedelta(hours=1), T, events=memory)["state"]["built"] == "full"
-            for d in ("selection", *jobs.STATE):
+            for d in ("selection", *jobs.STATE, jobs.COVISIT):
                 assert_same_frames(read_sorted(ref.offline, d, T), read_sorted(inc.offline, d, T), f"{d} {h}")
             assert ev.read_events(data, T - lookback - pd.Timedelta(hours=1), T - lookback).num_rows > 0  # left
     # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before.
-    assert built == ["full", "incremental", "incremental", "full"]
+    assert built == [("full", "full"), *[("incremental", "incremental")] * 2, ("full", "full")]
     # The evaluated configuration: the whole log as lookback (nothing leaves), a budget ranked by recency whose
     # recently ranked pairs fill it, so that only the last 24 h are read.
     ev_cfg = replace(cfg, lookback_days=None, recent_hours=24, budget_per_row=0.5, select_priority="recency")

@@ -44,11 +44,13 @@ import pyarrow.fs as pafs
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("rejects", "selection", "user_histories", "user_counters", "item_counters", "pair_embeddings",
-            "embedding_rejects", "user_aggregates", "user_embeddings", "neighbours")
+DATASETS = ("rejects", "selection", "user_histories", "user_counters", "item_counters", "covisit_counts",
+            "pair_embeddings", "embedding_rejects", "user_aggregates", "user_embeddings", "neighbours")
 # The interval's state: written by select from its read of the log, read by embed and neighbours instead of the
 # log (``solaris_jobs.pipeline.jobs``); a cache of the log, not an output.
 STATE_DATASETS = ("user_histories", "user_counters", "item_counters")
+# The co-visit counts of the lookback, which select updates like the state when the request simulator runs.
+COVISIT_STATE = "covisit_counts"
 POINTER = "_PUBLISHED"
 RUN = "run-"                # not key=value: plain directory readers do not make it a column (selection has a `run`)
 STAGING = "_staging"

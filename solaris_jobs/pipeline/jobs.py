@@ -156,6 +156,13 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     misses = off.read_misses(spark, s.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
     budgeted = cfg.budget_per_row is not None
     users = cache(pc.active_users(near, T, cfg.active_hours, misses))
+    # The events that left the lookback since the previous state (read once, for its counters and co-visits).
+    gone_events = functools.cache(lambda: cache(pc.prior_events(
+        source.spark(spark, start=base[2][0], end=base[2][1]), base[2][1], None)))
+    hist, uc, ic, full_because = _state_of(spark, s, cfg, source, T, history_len, base, near, whole, cache,
+                                           full_because, gone_events)
+    if full_because is not None:
+        base = None
     recent = pc.recent_pairs(near, T, cfg.recent_hours) if cfg.recent_hours > 0 else None
     n_budget = expected = None
     if budgeted:
@@ -172,8 +179,12 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         else:
             known.unpersist()
     # Without simulator candidates the pool is the one just counted (cached): not computed a second time.
+    covisit = None
+    if not skipped_simulator:
+        covisit = _covisit_of(spark, s, cfg, source, T, history_len, base, near, whole, cache, gone_events)
+        cov = pc.covisit_top(covisit[0], cfg.simulator.covisit_top)
     cands = known if skipped_simulator else cache(pc.candidate_pool(
-        pc.candidate_pairs(whole(), users, T, cfg.simulator), recent, misses if budgeted else None))
+        pc.candidate_pairs(whole(), users, T, cfg.simulator, cov), recent, misses if budgeted else None))
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -184,10 +195,6 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     # Without simulator candidates, the budget reaches only the most recently ranked part of the pool: the verifier
     # scores and ranks that part alone, with the ranks and the selection of a ranking of the whole pool.
     reach = pc.budget_reach(kept, n_budget) if skipped_simulator else None
-    hist, uc, ic, full_because = _state_of(spark, s, cfg, source, T, history_len, base, near, whole, cache,
-                                           full_because)
-    if full_because is not None:
-        base = None
     scored = pc.score_pairs(pc.with_counters(pc.within_reach(kept, reach), uc, ic), vm, cfg).drop(*pc.COUNTER_COLS)
     budget = {}
     if budgeted:
@@ -203,7 +210,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     n_users, n_cands, n_excl = users.count(), cands.count(), excluded.count()
     staged = off.stage(sel, s.offline, "selection", T)
     state = _write_state(spark, s, T, (hist, uc, ic), history_len, off.RUN + staged.run, clock, log=log,
-                         full_at=T if base is None else pd.Timestamp(base[1]["full_at"]))
+                         full_at=T if base is None else pd.Timestamp(base[1]["full_at"]), covisit=covisit)
     if state is not None:
         state.update(built="full" if base is None else "incremental", full_because=full_because)
     written = spark.read.parquet(staged.path)
@@ -340,11 +347,13 @@ def _state_history_len(s: Settings, models) -> int | None:
 
 
 def _write_state(spark, s: Settings, T: pd.Timestamp, state, history_len: int | None, selection_run: str | None,
-                 clock, *, log: str, full_at: pd.Timestamp):
+                 clock, *, log: str, full_at: pd.Timestamp, covisit=None):
     """Writes the interval's state, ``(user_histories`` (every user's last ``history_len`` events),
     ``user_counters``, ``item_counters)``, for the selection run ``selection_run``, with what the next interval
     needs to update it: the fingerprint of the log's files it was read from (``log``) and when it was last rebuilt
-    from the whole lookback (``full_at``). Returns its stats."""
+    from the whole lookback (``full_at``). ``covisit``: the co-visit counts, when the request simulator ran
+    (``_covisit_of``), published last with the same key (a state without them is still whole). Returns its
+    stats."""
     if history_len is None:
         return None
     key = {"interval_end": T.isoformat(), **_state_key(history_len, s.precompute.lookback_days, selection_run),
@@ -353,8 +362,17 @@ def _write_state(spark, s: Settings, T: pd.Timestamp, state, history_len: int | 
     rows = {d: spark.read.parquet(st.path).count() for d, st in staged.items()}
     for d, st in staged.items():
         _publish(st, {**key, "rows": rows[d]}, clock)
-    return {**key, "users": rows["user_counters"], "users_with_history": rows["user_histories"],
-            "items": rows["item_counters"]}
+    out = {**key, "users": rows["user_counters"], "users_with_history": rows["user_histories"],
+           "items": rows["item_counters"]}
+    if covisit is not None:
+        counts, why, cov_full_at = covisit
+        st = off.stage(counts, s.offline, COVISIT, T)
+        n = spark.read.parquet(st.path).count()
+        _publish(st, {**key, "rows": n, "full_at": cov_full_at.isoformat(),
+                      "covisit_window": s.precompute.simulator.covisit_window}, clock)
+        out["covisit"] = {"pairs": n, "built": "full" if why else "incremental", "full_because": why,
+                          "full_at": cov_full_at.isoformat()}
+    return out
 
 
 def _near_hours(cfg) -> float:
@@ -422,11 +440,12 @@ def _state_base(s: Settings, cfg, source, start: pd.Timestamp, T: pd.Timestamp, 
     return (P, stats[0], leaving, left), None, log
 
 
-def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, whole, cache, full_because):
+def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, whole, cache, full_because,
+              gone_events):
     """The interval's state (histories, user counters, item counters) and why it was rebuilt (None: it was
     updated): with no ``base``, of ``whole()`` (the lookback's events); else the previous interval's updated with
-    ``events`` since its end and, with a lookback, less the events that left it. When the leaving hours' files
-    changed between the listing and their read, the update is dropped for a rebuild."""
+    ``events`` since its end and, with a lookback, less the events that left it (``gone_events()``). When the
+    leaving hours' files changed between the listing and their read, the update is dropped for a rebuild."""
     if base is not None:
         from pyspark.sql import functions as F
         P, _, leaving, left = base
@@ -434,8 +453,7 @@ def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, who
         new = events.where(F.col("event_timestamp") >= F.lit(P.to_pydatetime()))
         gone = (None, None)
         if leaving is not None:
-            gone = pc.counters(pc.prior_events(source.spark(spark, start=leaving[0], end=leaving[1]), leaving[1],
-                                               None))
+            gone = pc.counters(gone_events())
         uc, ic = (cache(pc.merge_counters(*x)) for x in zip((uc, ic), pc.counters(new), gone))
         if leaving is None:
             return pc.merge_histories(hist, new, history_len, None), uc, ic, None
@@ -449,6 +467,78 @@ def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, who
     if history_len is None:                             # no state is written: only the counters are used
         return (None, *pc.counters(whole()), full_because)
     return (*pc.interval_state(whole(), history_len), full_because)
+
+
+COVISIT = off.COVISIT_STATE
+
+
+def _covisit_base(s: Settings, cfg, T: pd.Timestamp, history_len: int | None, base) -> str | None:
+    """Why the co-visit counts at T cannot be updated from the previous interval's (None: they can). They are
+    updated with the state (``_state_base``, and the update not dropped since) when the previous select wrote
+    them along with its state and counted them from the whole lookback less than ``state_rebuild_hours`` ago."""
+    if base is None:
+        return "the state is rebuilt"
+    window = cfg.simulator.covisit_window
+    if history_len is None or history_len < window:
+        return f"the histories ({history_len}) are shorter than covisit_window ({window})"
+    P, first = base[0], base[1]
+    stats = off.read_stats(s.offline, COVISIT, P) or {}
+    same = ("interval_end", "history_len", "lookback_days", "log", "selection")
+    if not off.is_complete(s.offline, COVISIT, P) or {k: stats.get(k) for k in same} != {k: first.get(k)
+                                                                                           for k in same}:
+        return f"no co-visit counts written with the state of {P.isoformat()}"
+    if stats.get("covisit_window") != window:
+        return f"the co-visit counts of {P.isoformat()} have another covisit_window"
+    if T - pd.Timestamp(stats["full_at"]) >= pd.Timedelta(hours=cfg.state_rebuild_hours):
+        return f"their last full count ({stats['full_at']}) is {cfg.state_rebuild_hours:g} h old or more"
+    return None
+
+
+def _covisit_of(spark, s: Settings, cfg, source, T: pd.Timestamp, history_len, base, events, whole, cache,
+                gone_events):
+    """The co-visit counts of the lookback at T (cached), why they were counted from the whole lookback (None:
+    updated) and when they last were: the previous interval's updated with ``events`` since its end (the pairs
+    whose later event is new, with the last ``covisit_window`` events before them from the previous histories) and
+    less the pairs whose earlier event left the lookback (``gone_events()``, with each leaving user's next events:
+    from the previous histories where they reach back far enough, else from the log)."""
+    from pyspark.sql import functions as F
+    window = cfg.simulator.covisit_window
+    why = _covisit_base(s, cfg, T, history_len, base)
+    if why is not None:
+        return cache(pc.covisit_counts(whole(), window)), why, T
+    P, _, leaving, _ = base
+    prev, hist = (off.read_interval(spark, s.offline, d, P) for d in (COVISIT, STATE[0]))
+    new = events.where(F.col("event_timestamp") >= F.lit(P.to_pydatetime()))
+    added = pc.covisit_added(pc.history_events(hist, window, read_from(T, cfg.lookback_days)), new, window)
+    gone = None
+    if leaving is not None:
+        gone = pc.covisit_gone(gone_events(), _after_leaving(spark, source, hist, gone_events(), leaving[1], P, window),
+                               window)
+    stats = off.read_stats(s.offline, COVISIT, P)
+    return cache(pc.merge_covisit(prev, added, gone)), None, pd.Timestamp(stats["full_at"])
+
+
+def _after_leaving(spark, source, hist, leaving, b: pd.Timestamp, P: pd.Timestamp, window: int):
+    """Each leaving user's first ``window`` events in ``[b, P)`` (b: the end of the leaving events, P: the previous
+    state's cutoff). The previous histories hold every event of a user from their oldest entry on: the events
+    after it come from there, those in ``[b, oldest entry]`` (users with more than a history's worth of events
+    since b) from the log, read up to the latest such entry."""
+    from pyspark.sql import functions as F
+    b_us = pd.Timestamp(b).value // 1000
+    oldest = (hist.join(leaving.select("user_id").distinct(), "user_id", "left_semi")
+              .select("user_id", F.col("hist_ts")[0].alias("_oldest")))
+    held = (pc.history_events(hist.join(oldest.select("user_id"), "user_id", "left_semi"), None)
+            .join(oldest, "user_id").where((F.unix_micros("event_timestamp") >= b_us)
+                                           & (F.unix_micros("event_timestamp") > F.col("_oldest"))).drop("_oldest"))
+    short = oldest.where(F.col("_oldest") >= b_us)
+    last = short.agg(F.max("_oldest")).first()[0]
+    if last is not None:
+        logged = (pc.prior_events(source.spark(spark, start=b, end=pd.Timestamp(last + 1, unit="us",
+                                                                                          tz="UTC")), P, None)
+                  .join(F.broadcast(short), "user_id")
+                  .where(F.unix_micros("event_timestamp") <= F.col("_oldest")).select(*held.columns))
+        held = held.unionByName(logged)
+    return pc.first_events(held, window)
 
 
 def _read_state(spark, s: Settings, cfg, T: pd.Timestamp):

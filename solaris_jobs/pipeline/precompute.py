@@ -97,27 +97,113 @@ def popular_items(prior, cutoff, cfg: SimulatorConfig):
             .select("item_id", "rank"))
 
 
-def covisitation(prior, cfg: SimulatorConfig):
-    """Top ``covisit_top`` co-visited items per seed item (pairs within ``covisit_window`` positions of a user's
-    events ordered by time, then item; counted in both directions)."""
+def covisit_counts(events, window: int, later: str | None = None, earlier: str | None = None):
+    """How often each ordered (seed, item_id) pair of distinct items is co-visited: both directions of every pair of
+    a user's events within ``window`` positions when ordered by (time, item). Events with equal time and item are
+    the same item, so the pairs do not depend on how such ties are broken.
+
+    Args:
+        events: (user_id, item_id, event_timestamp) and the columns named below.
+        later: a boolean column: only pairs whose later event has it true (the pairs a new hour adds).
+        earlier: a boolean column: only pairs whose earlier event has it true (the pairs an hour leaving takes).
+
+    Returns:
+        (seed, item_id, count).
+    """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     w = Window.partitionBy("user_id").orderBy("event_timestamp", "item_id")
-    lags = [f"_lag{k}" for k in range(1, cfg.covisit_window + 1)]
-    lagged = prior.select("item_id", *[F.lag("item_id", k).over(w).alias(c) for k, c in enumerate(lags, 1)])
+    ks = range(1, window + 1)
+    lagged = events.select("item_id", *([later] if later else []),
+                           *[F.lag("item_id", k).over(w).alias(f"_lag{k}") for k in ks],
+                           *([F.lag(earlier, k).over(w).alias(f"_ok{k}") for k in ks] if earlier else []))
+    if later:
+        lagged = lagged.where(F.col(later))
+
+    def pair(a, b, k):
+        ok = [F.coalesce(F.col(f"_ok{k}"), F.lit(False)).alias("ok")] if earlier else []
+        return F.struct(F.col(a).alias("seed"), F.col(b).alias("item_id"), *ok)
     # Both directions of every pair from one pass over the sorted events (a union of two projections would sort
     # and window the events twice).
-    both = F.array(*[F.struct(F.col(a).alias("seed"), F.col(b).alias("item_id"))
-                     for c in lags for a, b in (("item_id", c), (c, "item_id"))])
-    pairs = (lagged.select(F.explode(both).alias("p")).select("p.seed", "p.item_id")
+    both = F.array(*[pair(a, b, k) for k in ks for a, b in (("item_id", f"_lag{k}"), (f"_lag{k}", "item_id"))])
+    pairs = (lagged.select(F.explode(both).alias("p")).select("p.*")
              .where(F.col("seed").isNotNull() & F.col("item_id").isNotNull() & (F.col("seed") != F.col("item_id"))))
-    top = Window.partitionBy("seed").orderBy(F.desc("count"), "item_id")
-    return (pairs.groupBy("seed", "item_id").count().withColumn("k", F.row_number().over(top))
-            .where(F.col("k") <= cfg.covisit_top).drop("k"))
+    if earlier:
+        pairs = pairs.where("ok")
+    return pairs.groupBy("seed", "item_id").count()
 
 
-def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig):
+def covisit_top(counts, top: int):
+    """The ``top`` most co-visited items per seed (ties: the smaller item id) of ``covisit_counts``."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("seed").orderBy(F.desc("count"), "item_id")
+    return counts.withColumn("k", F.row_number().over(w)).where(F.col("k") <= top).drop("k")
+
+
+def covisitation(prior, cfg: SimulatorConfig):
+    """Top ``covisit_top`` co-visited items per seed item (pairs within ``covisit_window`` positions of a user's
+    events ordered by time, then item; counted in both directions)."""
+    return covisit_top(covisit_counts(prior, cfg.covisit_window), cfg.covisit_top)
+
+
+def history_events(hist, last: int, since=None):
+    """The entries of ``user_histories`` as events (user_id, item_id, event_timestamp): each user's ``last`` most
+    recent (None: all) of those not older than ``since``."""
+    from pyspark.sql import functions as F
+    e = hist.select("user_id", F.size("hist_ts").alias("_n"),
+                    F.posexplode(F.arrays_zip("hist_ts", "hist_item")).alias("_pos", "_e"))
+    keep = F.lit(True) if last is None else F.col("_pos") >= F.col("_n") - last
+    if since is not None:
+        keep = keep & (F.col("_e.hist_ts") >= F.lit(pd.Timestamp(since).value // 1000))
+    return e.where(keep).select("user_id", F.col("_e.hist_item").alias("item_id"),
+                                F.timestamp_micros(F.col("_e.hist_ts")).alias("event_timestamp"))
+
+
+def covisit_added(before, new_events, window: int):
+    """The co-visit counts that ``new_events`` add to those of the events ``before`` them: pairs whose later event
+    is new. ``before``: at least each user's last ``window`` events before the new ones (``history_events``)."""
+    from pyspark.sql import functions as F
+    new = new_events.select("user_id", "item_id", "event_timestamp")
+    ctx = before.join(new.select("user_id").distinct(), "user_id", "left_semi")
+    return covisit_counts(new.withColumn("_new", F.lit(True)).unionByName(ctx.withColumn("_new", F.lit(False))),
+                          window, later="_new")
+
+
+def covisit_gone(leaving, after, window: int):
+    """The co-visit counts that the events ``leaving`` the lookback take away: pairs whose earlier event leaves.
+    ``after``: each leaving user's first ``window`` events after the leaving ones (all of them if fewer)."""
+    from pyspark.sql import functions as F
+    out = leaving.select("user_id", "item_id", "event_timestamp")
+    return covisit_counts(out.withColumn("_out", F.lit(True)).unionByName(
+        after.select("user_id", "item_id", "event_timestamp").withColumn("_out", F.lit(False))),
+        window, earlier="_out")
+
+
+def first_events(events, n: int):
+    """Each user's first ``n`` events ordered by (time, item) (user_id, item_id, event_timestamp)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("user_id").orderBy("event_timestamp", "item_id")
+    return (events.select("user_id", "item_id", "event_timestamp").withColumn("_k", F.row_number().over(w))
+            .where(F.col("_k") <= n).drop("_k"))
+
+
+def merge_covisit(prev, added, gone=None):
+    """Co-visit counts at T from those at the previous cutoff, plus what the new events added, less what the
+    events that left the lookback took (None: nothing left); pairs whose count fell to 0 dropped. Equal to
+    ``covisit_counts`` of the lookback's events."""
+    from pyspark.sql import functions as F
+    parts = [prev.select("seed", "item_id", "count"), added.select("seed", "item_id", "count")]
+    if gone is not None:
+        parts.append(gone.select("seed", "item_id", (-F.col("count")).alias("count")))
+    both = functools.reduce(lambda a, b: a.unionByName(b), parts)
+    return both.groupBy("seed", "item_id").agg(F.sum("count").alias("count")).where(F.col("count") > 0)
+
+
+def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None):
     """The request simulator in Spark: for each user, what ``RequestSimulator(prior, cutoff).candidates`` gives.
+    ``cov``: ``covisitation(prior, cfg)`` when the caller has it (None: computed here).
 
     Returns:
         (user_id, item_id, source, retrieval_score), at most ``n_candidates`` distinct items per user.
@@ -129,7 +215,7 @@ def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig):
                                                       .orderBy(F.desc("ts"), F.desc("item_id"))))
              .where(F.col("k") <= cfg.history_items).select("user_id", F.col("item_id").alias("seed"))
              .join(users, "user_id"))
-    cov = (seeds.join(covisitation(prior, cfg), "seed").groupBy("user_id", "item_id")
+    cov = (seeds.join(covisitation(prior, cfg) if cov is None else cov, "seed").groupBy("user_id", "item_id")
            .agg(F.sum("count").alias("count")))
     cov = (cov.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
                                                    .orderBy(F.desc("count"), "item_id")))
