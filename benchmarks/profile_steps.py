@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--days", type=float, default=2.0)
     ap.add_argument("--min-seconds", type=float, default=0.8)
     ap.add_argument("--top-stages", type=int, default=15)
+    ap.add_argument("--steady", action="store_true", help="run the steps for the hour before first (not profiled), "
+                    "so that the last hour's select updates that hour's state, as in scale.py --steady")
     a = ap.parse_args()
     work = Path(a.work)
     data, offline = scale.folders(work, a.users, a.days, a.config)
@@ -50,6 +52,9 @@ def main() -> None:
     spark = jobs.session(s, "profile")
     sc = spark.sparkContext
     try:
+        if a.steady:
+            sc.setJobGroup("previous", "previous")
+            jobs.run(spark, s, start - pd.Timedelta(hours=1), start, tuple(a.steps))
         for step in a.steps:
             sc.setJobGroup(step, step)
             t0 = time.perf_counter()
@@ -63,10 +68,12 @@ def main() -> None:
             return (pd.Timestamp(j["completionTime"].replace("GMT", "")) -
                     pd.Timestamp(j["submissionTime"].replace("GMT", ""))).total_seconds()
         for j in sorted(get("jobs"), key=lambda j: j["jobId"]):
-            if "completionTime" in j and seconds(j) >= a.min_seconds:
+            if "completionTime" in j and seconds(j) >= a.min_seconds and j.get("jobGroup") != "previous":
                 print(f"job {j['jobId']:4d} {seconds(j):6.1f} s  {j.get('jobGroup')}  {j['name'][:80]}")
         print("-- stages by task time")
-        for x in sorted(get("stages"), key=lambda x: -x["executorRunTime"])[:a.top_stages]:
+        profiled = {i for j in get("jobs") if j.get("jobGroup") != "previous" for i in j["stageIds"]}
+        for x in sorted((x for x in get("stages") if x["stageId"] in profiled),
+                        key=lambda x: -x["executorRunTime"])[:a.top_stages]:
             print(f"stage {x['stageId']:4d} task {x['executorRunTime'] / 1000:7.1f} s  tasks {x['numTasks']:4d}  rows in "
                   f"{x['inputRecords']:>11,}  shuffle read {x['shuffleReadRecords']:>11,} write "
                   f"{x['shuffleWriteRecords']:>11,}  spill {x['diskBytesSpilled'] >> 20} MB  {x['name'][:50]}")

@@ -197,7 +197,8 @@ def merge_covisit(prev, added, gone=None):
     parts = [prev.select("seed", "item_id", "count"), added.select("seed", "item_id", "count")]
     if gone is not None:
         parts.append(gone.select("seed", "item_id", (-F.col("count")).alias("count")))
-    both = functools.reduce(lambda a, b: a.unionByName(b), parts)
+    # Shuffled by seed alone: the sum per pair and then ``covisit_top``'s window per seed need no second shuffle.
+    both = functools.reduce(lambda a, b: a.unionByName(b), parts).repartition("seed")
     return both.groupBy("seed", "item_id").agg(F.sum("count").alias("count")).where(F.col("count") > 0)
 
 
