@@ -465,7 +465,7 @@ def main(argv=None) -> None:
                 print(f"{d:18s} {e.isoformat()}  {n:7d} rows, identical")
             else:
                 only, store = (args.a, "a") if e in ends_a else (args.b, "b")
-                if d in (*off.STATE_DATASETS, off.COVISIT_STATE):   # a cache of the log older versions did not write
+                if d in (*off.STATE_DATASETS, *off.SIMULATOR_STATE):  # a cache of the log older versions did not write
                     print(f"{d:18s} {e.isoformat()}  only in {store} (the interval's state), not compared")
                     continue
                 n = off.read_table(only, d, e).num_rows

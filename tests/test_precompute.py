@@ -451,7 +451,7 @@ def test_merge_histories_hand_checked(spark):
                    4: ([41], [6], [0], [0])}                                 # user 3's only event left: no row
 
 
-def test_covisit_counts_updated_with_new_and_leaving_events_equal_a_recount(spark):
+def test_covisit_counts_and_seeds_updated_with_new_and_leaving_events_equal_a_recount(spark):
     """The co-visit counts of [b, T) from those of [a, P): plus the pairs whose later event is in [P, T) (with each
     user's last events before P from the histories at P), less those whose earlier event is in [a, b) (with each
     leaving user's next events: from the histories, or from the log where a user has more than a history's worth
@@ -490,6 +490,12 @@ def test_covisit_counts_updated_with_new_and_leaving_events_equal_a_recount(spar
     want = pc.covisit_counts(between("b", "T"), w)
     assert_same_frames(frame(want), frame(got), "covisit counts")
     assert frame(gone)["count"].sum() > 0 and frame(added)["count"].sum() > 0
+    # Each user's 4 latest items: those at P still in the lookback and the new events' (an item's latest time).
+    seeds = [pc.merge_seeds(pc.user_seeds(between("a", "P"), 4), between("P", "T"), 4, at["b"]),
+             pc.user_seeds(between("b", "T"), 4)]
+    got_seeds, want_seeds = (x.toPandas().sort_values(["user_id", "seed"]).reset_index(drop=True) for x in seeds)
+    assert_same_frames(want_seeds, got_seeds, "seeds")
+    assert want_seeds.groupby("user_id").size().max() == 4
     # The top items per seed: ties in count go to the smaller item id.
     ranked = frame(want).sort_values(["seed", "count", "item_id"], ascending=[True, False, True])
     assert_same_frames(ranked.groupby("seed").head(2).sort_values(["seed", "item_id"]).reset_index(drop=True),
@@ -516,11 +522,11 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     for h in range(4):
         T = start + pd.Timedelta(hours=h + 1)
         state = jobs.select(spark, inc, T - pd.Timedelta(hours=1), T)["state"]
-        built.append((state["built"], state["covisit"]["built"]))
+        built.append((state["built"], state["simulator"]["built"]))
         if h in (1, 2):
             # The reference: a full rebuild from the whole lookback's events, read once into memory.
             assert jobs.select(spark, ref, T - pd.Timedelta(hours=1), T, events=memory)["state"]["built"] == "full"
-            for d in ("selection", *jobs.STATE, jobs.COVISIT):
+            for d in ("selection", *jobs.STATE, *jobs.SIMULATOR):
                 assert_same_frames(read_sorted(ref.offline, d, T), read_sorted(inc.offline, d, T), f"{d} {h}")
             assert ev.read_events(data, T - lookback - pd.Timedelta(hours=1), T - lookback).num_rows > 0  # left
     # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before.
@@ -555,6 +561,17 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
         return jobs._state_base(settings, settings.precompute, source, T - pd.Timedelta(hours=1), T, 10)[1]
     nxt = T + pd.Timedelta(hours=1)
     assert why_full(inc, log, nxt) is None
+
+    def why_sim(settings, T, history_len=10):
+        base = jobs._state_base(settings, settings.precompute, log, T - pd.Timedelta(hours=1), T, 10)[0]
+        return jobs._simulator_base(settings, settings.precompute, T, history_len, base)
+    # The request simulator's state is updated with the state, unless its settings or the history length do not
+    # allow it, or the previous select skipped the simulator (and wrote none).
+    assert why_sim(inc, nxt) is None
+    assert "another covisit_window" in why_sim(replace(inc, precompute=replace(
+        cfg, simulator=replace(cfg.simulator, covisit_window=2))), nxt)
+    assert "shorter than covisit_window" in why_sim(inc, nxt, history_len=2)
+    assert "no request simulator state" in why_sim(whole_log[0], T2 + pd.Timedelta(hours=1))
     # A state read from events in memory is updated from that same table (its rows cannot change), not the log's.
     T3 = start + pd.Timedelta(hours=3)
     assert why_full(replace(ref, precompute=cfg), memory, T3) is None

@@ -45,12 +45,13 @@ import pyarrow.fs as pafs
 logger = logging.getLogger(__name__)
 
 DATASETS = ("rejects", "selection", "user_histories", "user_counters", "item_counters", "covisit_counts",
-            "pair_embeddings", "embedding_rejects", "user_aggregates", "user_embeddings", "neighbours")
+            "user_seeds", "pair_embeddings", "embedding_rejects", "user_aggregates", "user_embeddings", "neighbours")
 # The interval's state: written by select from its read of the log, read by embed and neighbours instead of the
 # log (``solaris_jobs.pipeline.jobs``); a cache of the log, not an output.
 STATE_DATASETS = ("user_histories", "user_counters", "item_counters")
-# The co-visit counts of the lookback, which select updates like the state when the request simulator runs.
-COVISIT_STATE = "covisit_counts"
+# The request simulator's state (the lookback's co-visit counts, each user's latest items), which select writes
+# when the simulator runs and updates like the state.
+SIMULATOR_STATE = ("covisit_counts", "user_seeds")
 POINTER = "_PUBLISHED"
 RUN = "run-"                # not key=value: plain directory readers do not make it a column (selection has a `run`)
 STAGING = "_staging"

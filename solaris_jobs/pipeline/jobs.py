@@ -136,12 +136,14 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
 
     def read(first):
         return source.spark(spark, start=first, end=T)
-    # With the previous interval's state (the lookback's histories and counters) and a pool that may do without
-    # the request simulator, only the hours the pool's windows need are read, the whole lookback only if the
-    # simulator runs; else the whole lookback, once.
+    # With the previous interval's state (the lookback's histories and counters) and either a pool that may do
+    # without the request simulator or the simulator's own state to update, only the hours the pool's windows need
+    # are read (the whole lookback later only if the simulator runs without its state); else the whole lookback,
+    # once.
     lookback = read_from(T, cfg.lookback_days, start)
-    first = lookback if base is None or not _simulator_may_be_skipped(cfg) else \
-        min(start, T - pd.Timedelta(hours=_near_hours(cfg)))
+    near_only = base is not None and (_simulator_may_be_skipped(cfg)
+                                      or _simulator_base(s, cfg, T, history_len, base) is None)
+    first = min(start, T - pd.Timedelta(hours=_near_hours(cfg))) if near_only else lookback
     ev = read(first)
     near = cache(pc.prior_events(ev, T, cfg.lookback_days))
     whole = (lambda: near) if first == lookback else functools.cache(
@@ -157,8 +159,8 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     budgeted = cfg.budget_per_row is not None
     users = cache(pc.active_users(near, T, cfg.active_hours, misses))
     # The events that left the lookback since the previous state (read once, for its counters and co-visits).
-    gone_events = functools.cache(lambda: cache(pc.prior_events(
-        source.spark(spark, start=base[2][0], end=base[2][1]), base[2][1], None)))
+    leaving = base[2] if base is not None else None
+    gone_events = functools.cache(lambda: cache(_log_between(spark, source, *leaving)))
     hist, uc, ic, full_because = _state_of(spark, s, cfg, source, T, history_len, base, near, whole, cache,
                                            full_because, gone_events)
     if full_because is not None:
@@ -179,12 +181,19 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         else:
             known.unpersist()
     # Without simulator candidates the pool is the one just counted (cached): not computed a second time.
-    covisit = None
+    simulator = None
     if not skipped_simulator:
-        covisit = _covisit_of(spark, s, cfg, source, T, history_len, base, near, whole, cache, gone_events)
-        cov = pc.covisit_top(covisit[0], cfg.simulator.covisit_top)
-    cands = known if skipped_simulator else cache(pc.candidate_pool(
-        pc.candidate_pairs(whole(), users, T, cfg.simulator, cov), recent, misses if budgeted else None))
+        simulator = _simulator_of(spark, s, cfg, source, T, history_len, base, near, whole, cache, gone_events)
+        counts, seeds, why, _ = simulator
+        # The popularity of the last popularity_hours, from the events read or their own read of the log; of the
+        # whole lookback, the item counters.
+        popular_from = T - pd.Timedelta(hours=cfg.simulator.popularity_hours)
+        events = whole() if why is not None else near if first <= popular_from else \
+            pc.prior_events(read(popular_from), T, cfg.lookback_days)
+        totals = ic.select("item_id", F.col("item_cnt").alias("count"))
+        sim = pc.candidate_pairs(events, users, T, cfg.simulator, pc.covisit_top(counts, cfg.simulator.covisit_top),
+                                 seeds, totals)
+    cands = known if skipped_simulator else cache(pc.candidate_pool(sim, recent, misses if budgeted else None))
     past = off.list_intervals(s.offline, "selection", before=T, last=cfg.exclusion_runs) if cfg.exclusion_runs \
         else []
     bottoms = None
@@ -210,7 +219,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     n_users, n_cands, n_excl = users.count(), cands.count(), excluded.count()
     staged = off.stage(sel, s.offline, "selection", T)
     state = _write_state(spark, s, T, (hist, uc, ic), history_len, off.RUN + staged.run, clock, log=log,
-                         full_at=T if base is None else pd.Timestamp(base[1]["full_at"]), covisit=covisit)
+                         full_at=T if base is None else pd.Timestamp(base[1]["full_at"]), simulator=simulator)
     if state is not None:
         state.update(built="full" if base is None else "incremental", full_because=full_because)
     written = spark.read.parquet(staged.path)
@@ -347,12 +356,12 @@ def _state_history_len(s: Settings, models) -> int | None:
 
 
 def _write_state(spark, s: Settings, T: pd.Timestamp, state, history_len: int | None, selection_run: str | None,
-                 clock, *, log: str, full_at: pd.Timestamp, covisit=None):
+                 clock, *, log: str, full_at: pd.Timestamp, simulator=None):
     """Writes the interval's state, ``(user_histories`` (every user's last ``history_len`` events),
     ``user_counters``, ``item_counters)``, for the selection run ``selection_run``, with what the next interval
     needs to update it: the fingerprint of the log's files it was read from (``log``) and when it was last rebuilt
-    from the whole lookback (``full_at``). ``covisit``: the co-visit counts, when the request simulator ran
-    (``_covisit_of``), published last with the same key (a state without them is still whole). Returns its
+    from the whole lookback (``full_at``). ``simulator``: the request simulator's state, when it ran
+    (``_simulator_of``), published last with the same key (a state without it is still whole). Returns its
     stats."""
     if history_len is None:
         return None
@@ -364,14 +373,16 @@ def _write_state(spark, s: Settings, T: pd.Timestamp, state, history_len: int | 
         _publish(st, {**key, "rows": rows[d]}, clock)
     out = {**key, "users": rows["user_counters"], "users_with_history": rows["user_histories"],
            "items": rows["item_counters"]}
-    if covisit is not None:
-        counts, why, cov_full_at = covisit
-        st = off.stage(counts, s.offline, COVISIT, T)
-        n = spark.read.parquet(st.path).count()
-        _publish(st, {**key, "rows": n, "full_at": cov_full_at.isoformat(),
-                      "covisit_window": s.precompute.simulator.covisit_window}, clock)
-        out["covisit"] = {"pairs": n, "built": "full" if why else "incremental", "full_because": why,
-                          "full_at": cov_full_at.isoformat()}
+    if simulator is not None:
+        *frames, why, sim_full_at = simulator
+        staged = {d: off.stage(df, s.offline, d, T) for d, df in zip(SIMULATOR, frames)}
+        rows = {d: spark.read.parquet(st.path).count() for d, st in staged.items()}
+        for d, st in staged.items():
+            _publish(st, {**key, "rows": rows[d], "full_at": sim_full_at.isoformat(),
+                          **_simulator_key(s.precompute)}, clock)
+        out["simulator"] = {"covisit_pairs": rows[SIMULATOR[0]], "seeds": rows[SIMULATOR[1]],
+                            "built": "full" if why else "incremental", "full_because": why,
+                            "full_at": sim_full_at.isoformat()}
     return out
 
 
@@ -469,53 +480,67 @@ def _state_of(spark, s: Settings, cfg, source, T, history_len, base, events, who
     return (*pc.interval_state(whole(), history_len), full_because)
 
 
-COVISIT = off.COVISIT_STATE
+SIMULATOR = off.SIMULATOR_STATE
 
 
-def _covisit_base(s: Settings, cfg, T: pd.Timestamp, history_len: int | None, base) -> str | None:
-    """Why the co-visit counts at T cannot be updated from the previous interval's (None: they can). They are
-    updated with the state (``_state_base``, and the update not dropped since) when the previous select wrote
-    them along with its state and counted them from the whole lookback less than ``state_rebuild_hours`` ago."""
+def _simulator_key(cfg) -> dict:
+    return {"covisit_window": cfg.simulator.covisit_window, "history_items": cfg.simulator.history_items}
+
+
+def _simulator_base(s: Settings, cfg, T: pd.Timestamp, history_len: int | None, base) -> str | None:
+    """Why the request simulator's state at T (co-visit counts, seeds) cannot be updated from the previous
+    interval's (None: it can). It is updated with the state (``_state_base``, and the update not dropped since)
+    when the previous select wrote it along with its state and made it from the whole lookback less than
+    ``state_rebuild_hours`` ago."""
     if base is None:
         return "the state is rebuilt"
     window = cfg.simulator.covisit_window
     if history_len is None or history_len < window:
         return f"the histories ({history_len}) are shorter than covisit_window ({window})"
     P, first = base[0], base[1]
-    stats = off.read_stats(s.offline, COVISIT, P) or {}
+    stats = [off.read_stats(s.offline, d, P) or {} for d in SIMULATOR]
     same = ("interval_end", "history_len", "lookback_days", "log", "selection")
-    if not off.is_complete(s.offline, COVISIT, P) or {k: stats.get(k) for k in same} != {k: first.get(k)
-                                                                                           for k in same}:
-        return f"no co-visit counts written with the state of {P.isoformat()}"
-    if stats.get("covisit_window") != window:
-        return f"the co-visit counts of {P.isoformat()} have another covisit_window"
-    if T - pd.Timestamp(stats["full_at"]) >= pd.Timedelta(hours=cfg.state_rebuild_hours):
-        return f"their last full count ({stats['full_at']}) is {cfg.state_rebuild_hours:g} h old or more"
+    if not all(off.is_complete(s.offline, d, P) for d in SIMULATOR) or any(
+            {k: st.get(k) for k in (*same, "full_at")} != {**{k: first.get(k) for k in same},
+                                                           "full_at": stats[0].get("full_at")} for st in stats):
+        return f"no request simulator state written with the state of {P.isoformat()}"
+    if any({k: st.get(k) for k in _simulator_key(cfg)} != _simulator_key(cfg) for st in stats):
+        return f"the request simulator state of {P.isoformat()} has another covisit_window or history_items"
+    if T - pd.Timestamp(stats[0]["full_at"]) >= pd.Timedelta(hours=cfg.state_rebuild_hours):
+        return f"its last full build ({stats[0]['full_at']}) is {cfg.state_rebuild_hours:g} h old or more"
     return None
 
 
-def _covisit_of(spark, s: Settings, cfg, source, T: pd.Timestamp, history_len, base, events, whole, cache,
-                gone_events):
-    """The co-visit counts of the lookback at T (cached), why they were counted from the whole lookback (None:
-    updated) and when they last were: the previous interval's updated with ``events`` since its end (the pairs
-    whose later event is new, with the last ``covisit_window`` events before them from the previous histories) and
-    less the pairs whose earlier event left the lookback (``gone_events()``, with each leaving user's next events:
-    from the previous histories where they reach back far enough, else from the log)."""
+def _simulator_of(spark, s: Settings, cfg, source, T: pd.Timestamp, history_len, base, events, whole, cache,
+                  gone_events):
+    """The request simulator's state at T (cached): the lookback's co-visit counts and each user's latest items
+    (seeds); why it was made from the whole lookback (None: updated); when it last was. Updated: the previous
+    interval's, with ``events`` since its end (the co-visit pairs whose later event is new, with the last
+    ``covisit_window`` events before them from the previous histories) and less the co-visit pairs whose earlier
+    event left the lookback (``gone_events()``, with each leaving user's next events: from the previous histories
+    where they reach back far enough, else from the log); seeds that left the lookback dropped."""
     from pyspark.sql import functions as F
-    window = cfg.simulator.covisit_window
-    why = _covisit_base(s, cfg, T, history_len, base)
+    window, n_seeds = cfg.simulator.covisit_window, cfg.simulator.history_items
+    why = _simulator_base(s, cfg, T, history_len, base)
     if why is not None:
-        return cache(pc.covisit_counts(whole(), window)), why, T
+        return cache(pc.covisit_counts(whole(), window)), cache(pc.user_seeds(whole(), n_seeds)), why, T
     P, _, leaving, _ = base
-    prev, hist = (off.read_interval(spark, s.offline, d, P) for d in (COVISIT, STATE[0]))
+    prev, seeds, hist = (off.read_interval(spark, s.offline, d, P) for d in (*SIMULATOR, STATE[0]))
+    since = read_from(T, cfg.lookback_days)
     new = events.where(F.col("event_timestamp") >= F.lit(P.to_pydatetime()))
-    added = pc.covisit_added(pc.history_events(hist, window, read_from(T, cfg.lookback_days)), new, window)
+    added = pc.covisit_added(pc.history_events(hist, window, since), new, window)
     gone = None
     if leaving is not None:
         gone = pc.covisit_gone(gone_events(), _after_leaving(spark, source, hist, gone_events(), leaving[1], P, window),
                                window)
-    stats = off.read_stats(s.offline, COVISIT, P)
-    return cache(pc.merge_covisit(prev, added, gone)), None, pd.Timestamp(stats["full_at"])
+    full_at = pd.Timestamp(off.read_stats(s.offline, SIMULATOR[0], P)["full_at"])
+    return (cache(pc.merge_covisit(prev, added, gone)), cache(pc.merge_seeds(seeds, new, n_seeds, since)), None,
+            full_at)
+
+
+def _log_between(spark, source, start: pd.Timestamp, end: pd.Timestamp):
+    """The log's valid events in ``[start, end)`` (``pc.PRIOR_COLS``)."""
+    return pc.prior_events(source.spark(spark, start=start, end=end), end, None)
 
 
 def _after_leaving(spark, source, hist, leaving, b: pd.Timestamp, P: pd.Timestamp, window: int):
@@ -533,8 +558,7 @@ def _after_leaving(spark, source, hist, leaving, b: pd.Timestamp, P: pd.Timestam
     short = oldest.where(F.col("_oldest") >= b_us)
     last = short.agg(F.max("_oldest")).first()[0]
     if last is not None:
-        logged = (pc.prior_events(source.spark(spark, start=b, end=pd.Timestamp(last + 1, unit="us",
-                                                                                          tz="UTC")), P, None)
+        logged = (_log_between(spark, source, b, min(P, pd.Timestamp(last + 1, unit="us", tz="UTC")))
                   .join(F.broadcast(short), "user_id")
                   .where(F.unix_micros("event_timestamp") <= F.col("_oldest")).select(*held.columns))
         held = held.unionByName(logged)

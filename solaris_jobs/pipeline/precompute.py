@@ -81,15 +81,18 @@ def active_users(prior, cutoff, hours: float, misses=None):
 
 # ----------------------------------------------------------------------------------------------- candidates
 
-def popular_items(prior, cutoff, cfg: SimulatorConfig):
-    """The ``n_candidates`` most popular items (small: one row per item), as ``RequestSimulator.popular``."""
+def popular_items(prior, cutoff, cfg: SimulatorConfig, totals=None):
+    """The ``n_candidates`` most popular items (small: one row per item), as ``RequestSimulator.popular``.
+    ``totals``: (item_id, count) of the whole lookback when the caller has them (the item counters); ``prior`` then
+    needs to hold only the last ``popularity_hours``."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
     t = pd.Timestamp(cutoff).to_pydatetime()
     recent = prior.where(F.col("event_timestamp") >= F.lit(t - pd.Timedelta(hours=cfg.popularity_hours)
                                                            .to_pytimedelta()))
+    totals = prior.groupBy("item_id").count() if totals is None else totals.select("item_id", "count")
     counts = recent.groupBy("item_id").count().withColumn("tier", F.lit(0)).unionByName(
-        prior.groupBy("item_id").count().withColumn("tier", F.lit(1)))
+        totals.withColumn("tier", F.lit(1)))
     first = Window.partitionBy("item_id").orderBy("tier")
     order = Window.orderBy("tier", F.desc("count"), "item_id")
     return (counts.withColumn("k", F.row_number().over(first)).where("k = 1")
@@ -202,20 +205,47 @@ def merge_covisit(prev, added, gone=None):
     return both.groupBy("seed", "item_id").agg(F.sum("count").alias("count")).where(F.col("count") > 0)
 
 
-def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None):
+def user_seeds(prior, n: int):
+    """Each user's ``n`` most recently seen distinct items (the request simulator's seeds): (user_id, seed, ts),
+    ts the item's last event time in epoch microseconds; ties: the larger item id first."""
+    from pyspark.sql import functions as F
+    last = prior.groupBy("user_id", F.col("item_id").alias("seed")).agg(
+        F.unix_micros(F.max("event_timestamp")).alias("ts"))
+    return _latest_seeds(last, n)
+
+
+def _latest_seeds(last, n: int):
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    w = Window.partitionBy("user_id").orderBy(F.desc("ts"), F.desc("seed"))
+    return last.withColumn("_k", F.row_number().over(w)).where(F.col("_k") <= n).drop("_k")
+
+
+def merge_seeds(prev, new_events, n: int, since=None):
+    """The seeds at T from those at the previous cutoff (``user_seeds``) and the events since, all later: an item's
+    latest time, the ``n`` latest items. ``since``: seeds older than it (they left the lookback) are dropped first;
+    every item that ranked below them is older still. Equal to ``user_seeds`` of the lookback's events."""
+    from pyspark.sql import functions as F
+    old = prev.select("user_id", "seed", "ts")
+    if since is not None:
+        old = old.where(F.col("ts") >= F.lit(pd.Timestamp(since).value // 1000))
+    both = old.unionByName(user_seeds(new_events, n)).groupBy("user_id", "seed").agg(F.max("ts").alias("ts"))
+    return _latest_seeds(both, n)
+
+
+def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None, seeds=None, totals=None):
     """The request simulator in Spark: for each user, what ``RequestSimulator(prior, cutoff).candidates`` gives.
-    ``cov``: ``covisitation(prior, cfg)`` when the caller has it (None: computed here).
+    What the caller already has: ``cov`` (``covisitation(prior, cfg)``), ``seeds`` (``user_seeds(prior,
+    cfg.history_items)``) and ``totals`` (each item's events in ``prior``: ``popular_items``); with all three,
+    ``prior`` needs to hold only the last ``popularity_hours``.
 
     Returns:
         (user_id, item_id, source, retrieval_score), at most ``n_candidates`` distinct items per user.
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
-    last = prior.groupBy("user_id", "item_id").agg(F.max("event_timestamp").alias("ts"))
-    seeds = (last.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
-                                                      .orderBy(F.desc("ts"), F.desc("item_id"))))
-             .where(F.col("k") <= cfg.history_items).select("user_id", F.col("item_id").alias("seed"))
-             .join(users, "user_id"))
+    seeds = (user_seeds(prior, cfg.history_items) if seeds is None else seeds).select("user_id", "seed") \
+        .join(users, "user_id")
     cov = (seeds.join(covisitation(prior, cfg) if cov is None else cov, "seed").groupBy("user_id", "item_id")
            .agg(F.sum("count").alias("count")))
     cov = (cov.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
@@ -226,7 +256,7 @@ def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None):
                    F.log1p(F.col("count").cast("double")).cast("float").alias("retrieval_score")))
     # The popular items fill each set up to n_candidates, skipping items co-visitation already gave: one union
     # ordered (co-visitation by count, then popularity rank), a pair kept once (its co-visitation row first).
-    pop = popular_items(prior, cutoff, cfg)                       # at most n_candidates rows
+    pop = popular_items(prior, cutoff, cfg, totals)               # at most n_candidates rows
     pop = pop.withColumn("n_pop", F.count("*").over(Window.partitionBy()))
     fill = (users.crossJoin(F.broadcast(pop))
             .select("user_id", "item_id", F.lit(1).alias("_tier"), F.col("rank").alias("_order"),
