@@ -496,6 +496,17 @@ def test_covisit_counts_and_seeds_updated_with_new_and_leaving_events_equal_a_re
     got_seeds, want_seeds = (x.toPandas().sort_values(["user_id", "seed"]).reset_index(drop=True) for x in seeds)
     assert_same_frames(want_seeds, got_seeds, "seeds")
     assert want_seeds.groupby("user_id").size().max() == 4
+    assert len(pc.user_seeds(between("a", "P"), 4).where(F.col("ts") < b_us).toPandas()) > 0   # some leave
+    # The popular items from the last popularity_hours' events and the item counters of the lookback, as from the
+    # lookback's events: a 1-second window, so that the lookback's counts order the last of the 20.
+    sim = SimulatorConfig(n_candidates=20, n_popular=10, popularity_hours=1 / 3600)
+    totals = pc.counters(between("b", "T"))[1].select("item_id", F.col("item_cnt").alias("count"))
+    pop = [pc.popular_items(between("P", "T"), at["T"], sim, totals), pc.popular_items(between("b", "T"), at["T"], sim)]
+    got_pop, want_pop = (x.toPandas().sort_values("rank").reset_index(drop=True) for x in pop)
+    assert_same_frames(want_pop, got_pop, "popular")
+    assert len(want_pop) == 20
+    assert between("P", "T").where(F.col("event_timestamp") >= (at["T"] - pd.Timedelta(seconds=1))
+                                   .to_pydatetime()).select("item_id").distinct().count() < 15
     # The top items per seed: ties in count go to the smaller item id.
     ranked = frame(want).sort_values(["seed", "count", "item_id"], ascending=[True, False, True])
     assert_same_frames(ranked.groupby("seed").head(2).sort_values(["seed", "item_id"]).reset_index(drop=True),

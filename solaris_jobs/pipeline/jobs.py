@@ -188,7 +188,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
         # The popularity of the last popularity_hours, from the events read or their own read of the log; of the
         # whole lookback, the item counters.
         popular_from = T - pd.Timedelta(hours=cfg.simulator.popularity_hours)
-        events = whole() if why is not None else near if first <= popular_from else \
+        events = whole() if why is not None else near if first is None or first <= popular_from else \
             pc.prior_events(read(popular_from), T, cfg.lookback_days)
         totals = ic.select("item_id", F.col("item_cnt").alias("count"))
         sim = pc.candidate_pairs(events, users, T, cfg.simulator, pc.covisit_top(counts, cfg.simulator.covisit_top),
