@@ -1,5 +1,6 @@
 """The offline store's layout: atomic publication (a writer killed between its data and its publish leaves the
 old output whole), readers that follow the pointer, outputs of earlier versions, file:// URIs."""
+import json
 import os
 import shutil
 import subprocess
@@ -195,3 +196,73 @@ def test_a_full_disk_fails_the_write_and_keeps_the_old_output(tmp_path, spark):
         assert leftovers() == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read_back(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from solaris_jobs.core.settings import PrecomputeConfig
+    from solaris_jobs.flows.cli import main
+    from solaris_jobs.pipeline import retention
+    ends = [END + pd.Timedelta(hours=h) for h in range(30)]          # 30 hourly intervals, END .. END + 29 h
+    for d in ("selection", "pair_embeddings", "neighbours", "covisit_counts", "user_histories"):
+        for e in ends:
+            off.write_interval(pa.table({"user_id": [int(e.hour)] * 100}), tmp_path, d, e)
+    # An incomplete folder, older than every interval: a writer that died before its publish.
+    dead = Path(off.interval_uri(tmp_path, "selection", END - pd.Timedelta(hours=1))) / "run-dead"
+    dead.mkdir(parents=True)
+    (dead / "part-0.parquet").write_bytes(b"x" * 10)
+    cfg = PrecomputeConfig(exclusion_runs=3, aggregate_hours=24.0, state_keep_hours=2.0)
+
+    # A bound past every interval: each dataset keeps only what the next refresh reads back.
+    got = retention.prune(tmp_path, cfg, ("selection", "pair_embeddings", "neighbours"), ends[-1] + pd.Timedelta(1))
+    assert off.list_intervals(tmp_path, "selection") == ends[-3:]                    # negative exclusion's 3 runs
+    assert off.list_intervals(tmp_path, "pair_embeddings") == ends[-25:]             # the aggregate's 24 h
+    assert off.list_intervals(tmp_path, "neighbours") == ends[-1:]                   # materialize's input
+    assert off.interval_ends(tmp_path, "selection") == ends[-3:]                     # the dead folder went too
+    assert got["selection"]["kept_for_jobs"] == 3 and len(got["selection"]["removed"]) == 28
+    assert got["pair_embeddings"]["kept_for_jobs"] == 25 and got["neighbours"]["kept_for_jobs"] == 1
+    assert got["selection"]["bytes"] > 27 * 100                                      # what the files held
+    assert off.read_table(tmp_path, "selection", ends[-1]).num_rows == 100           # the kept ones read whole
+
+    # Select's own pruning: relative to the interval it wrote, never that one or a later one (a backfill of an
+    # older interval leaves the newer state alone).
+    assert retention.prune_state(tmp_path, cfg, ends[10])["intervals"] == 8         # END .. END + 7 h
+    assert off.list_intervals(tmp_path, "covisit_counts") == ends[8:]
+    assert off.list_intervals(tmp_path, "user_histories") == ends[8:]
+
+    # A removal cut short after the pointers leaves an incomplete interval, which no reader takes for an output.
+    class NoDirDeletes:                         # the local file system, failing to remove folders
+        def __init__(self, fs):
+            self.fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+        def delete_dir(self, path):
+            raise OSError(f"{path}: I/O error")
+    real = off.filesystem
+    monkeypatch.setattr(off, "filesystem", lambda uri: (NoDirDeletes(real(uri)[0]), real(uri)[1]))
+    with pytest.raises(OSError):
+        off.remove_interval(tmp_path, "covisit_counts", ends[8])
+    assert ends[8] in off.interval_ends(tmp_path, "covisit_counts")
+    assert ends[8] not in off.list_intervals(tmp_path, "covisit_counts")
+    with pytest.raises(FileNotFoundError, match="no complete covisit_counts output"):
+        off.read_table(tmp_path, "covisit_counts", ends[8])
+    monkeypatch.undo()
+
+    # The CLI: --keep-hours from each dataset's newest, a dry run changes nothing, an unknown dataset is named.
+    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--keep-hours", "5", "--datasets",
+                                    "state", "--dry-run"])
+    assert run.exit_code == 0, run.output
+    out = json.loads(run.output)
+    assert out["dry_run"] and out["datasets"]["covisit_counts"]["removed"][0] == ends[8].isoformat()
+    assert len(out["datasets"]["covisit_counts"]["removed"]) == 16                   # ends[8] .. ends[23]
+    assert off.list_intervals(tmp_path, "covisit_counts") == ends[9:]
+    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--keep-hours", "5"])
+    assert run.exit_code == 0, run.output
+    assert off.interval_ends(tmp_path, "covisit_counts") == ends[-6:]
+    assert off.list_intervals(tmp_path, "selection") == ends[-3:]                    # state only by default
+    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--before", "2026-01-06",
+                                    "--datasets", "selection,pairs"])
+    assert run.exit_code != 0 and "'pairs': not an offline dataset" in run.output

@@ -522,7 +522,8 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     data = tmp_path / "data"
     shutil.copytree(synth_root, data)
     cfg = pc.PrecomputeConfig(history_len=10, lookback_days=1.5, exclusion_runs=0, active_hours=6,
-                              state_rebuild_hours=3, simulator=SimulatorConfig(n_candidates=20, n_popular=5))
+                              state_rebuild_hours=3, state_keep_hours=1,
+                              simulator=SimulatorConfig(n_candidates=20, n_popular=5))
     inc = Settings(data=str(data), offline=str(tmp_path / "inc"), models=str(synth_models), precompute=cfg)
     ref = replace(inc, offline=str(tmp_path / "ref"), precompute=replace(cfg, state_rebuild_hours=0))
     table = ev.read_events(data)
@@ -533,15 +534,19 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     for h in range(4):
         T = start + pd.Timedelta(hours=h + 1)
         state = jobs.select(spark, inc, T - pd.Timedelta(hours=1), T)["state"]
-        built.append((state["built"], state["simulator"]["built"]))
+        built.append((state["built"], state["simulator"]["built"], state["pruned"]["intervals"]))
         if h in (1, 2):
             # The reference: a full rebuild from the whole lookback's events, read once into memory.
             assert jobs.select(spark, ref, T - pd.Timedelta(hours=1), T, events=memory)["state"]["built"] == "full"
             for d in ("selection", *jobs.STATE, *jobs.SIMULATOR):
                 assert_same_frames(read_sorted(ref.offline, d, T), read_sorted(inc.offline, d, T), f"{d} {h}")
             assert ev.read_events(data, T - lookback - pd.Timedelta(hours=1), T - lookback).num_rows > 0  # left
-    # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before.
-    assert built == [("full", "full"), *[("incremental", "incremental")] * 2, ("full", "full")]
+    # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before. Each select removed the state
+    # that ended more than state_keep_hours (1) before its own, once there was some; the updates did not need it.
+    assert built == [("full", "full", 0), ("incremental", "incremental", 0), ("incremental", "incremental", 1),
+                     ("full", "full", 1)]
+    for d in (*jobs.STATE, *jobs.SIMULATOR):
+        assert off.list_intervals(inc.offline, d) == [T - pd.Timedelta(hours=1), T], d
     # The evaluated configuration: the whole log as lookback (nothing leaves), a budget ranked by recency whose
     # recently ranked pairs fill it, so that only the last 24 h are read.
     ev_cfg = replace(cfg, lookback_days=None, recent_hours=24, budget_per_row=0.5, select_priority="recency")

@@ -230,6 +230,36 @@ def list_intervals(offline, dataset: str, since=None, before=None, last: int | N
     return out[::-1]
 
 
+def interval_ends(offline, dataset: str) -> list[pd.Timestamp]:
+    """Ends of every interval folder of ``dataset``, complete or not, oldest first."""
+    fs, base = filesystem(dataset_uri(offline, dataset))
+    return sorted(parse_key(i.base_name) for i in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+                  if i.type == pafs.FileType.Directory and i.base_name.startswith("end="))
+
+
+def remove_interval(offline, dataset: str, end, dry_run: bool = False) -> int:
+    """Removes an interval's output: its pointers first, so that from then on no reader takes it for an output (a
+    removal cut short leaves an incomplete interval, never a half one that is read), then its folder.
+
+    Returns:
+        The bytes its files held (what was freed, or with ``dry_run`` would be).
+    """
+    fs, folder = filesystem(interval_uri(offline, dataset, end))
+    infos = fs.get_file_info(pafs.FileSelector(folder, recursive=True, allow_not_found=True))
+    size = sum(i.size or 0 for i in infos if i.type == pafs.FileType.File)
+    if dry_run:
+        return size
+    for _, _, path in _pointers(fs, folder):
+        fs.delete_file(path)
+    for name in ("_SUCCESS", "_stats.json"):                 # the layout before pointers: complete by its _SUCCESS
+        if _exists(fs, f"{folder}/{name}"):
+            fs.delete_file(f"{folder}/{name}")
+    if _exists(fs, folder):
+        fs.delete_dir(folder)
+    logger.info("removed %s (%d bytes)", interval_uri(offline, dataset, end), size)
+    return size
+
+
 def _renames_folders(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, (pafs.LocalFileSystem, pafs.HadoopFileSystem))
 

@@ -92,6 +92,9 @@ class PrecomputeConfig:
             at this interval's start, was made with the same history length, lookback and event source, the log's
             files of the hours it covers are unchanged since (a late event in an old hour, a rewritten file: a full
             rebuild), and its last full rebuild is less than this many hours old; 0: a full rebuild every interval.
+        state_keep_hours: once it has published the interval's state, ``select`` removes the state of intervals
+            that end more than this many hours before it (``solaris_jobs.pipeline.retention``): only the next
+            interval reads it, and a rerun of an interval whose previous state is gone rebuilds it from the log.
         torch_threads: torch threads per Spark task.
     """
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
@@ -118,6 +121,7 @@ class PrecomputeConfig:
     knn_requery: Literal["all", "active"] = "all"
     knn_rebuild_hours: float = Field(24.0, gt=0)
     state_rebuild_hours: float = Field(24.0, ge=0)
+    state_keep_hours: float = Field(6.0, ge=0)
     torch_threads: int = Field(1, ge=1)
 
 
@@ -340,6 +344,9 @@ FLAGS = (
                                                                     "is updated from the previous interval's, and "
                                                                     "rebuilt from the lookback this often (0: "
                                                                     "every interval).", "float"),
+    Flag("--state-keep-hours", "precompute.state_keep_hours", "Select removes the state of intervals that end "
+                                                              "more than this many hours before its own (a rerun "
+                                                              "of one rebuilds it from the log).", "float"),
     Flag("--aggregate-hours", "precompute.aggregate_hours", "Window of the user aggregate.", "float"),
     Flag("--miss-hours", "precompute.miss_hours", "Serving misses recorded this many hours before T are forced "
                                                   "into the selection.", "float"),

@@ -493,6 +493,43 @@ def status_cmd(offline, last, metrics, scan_limit, as_json, now, feature_repo) -
     click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
 
 
+@main.command("prune")
+@click.option("--offline", default=None, help="Offline store root (default: the offline setting's variable).")
+@click.option("--before", default=None, help="Remove intervals that end before this time (UTC).")
+@click.option("--keep-hours", default=None, type=click.FloatRange(min=0),
+              help="Or: keep each dataset's last this many hours (before its newest interval's end).")
+@click.option("--datasets", default="state", show_default=True,
+              help="Comma-separated datasets; `state` for the state select keeps for the next interval, `all` for "
+                   "every dataset.")
+@click.option("--dry-run", is_flag=True, help="Only say what would go.")
+def prune_cmd(offline, before, keep_hours, datasets, dry_run) -> None:
+    """Remove old intervals from the offline store. Select already prunes its own state (--state-keep-hours); the
+    outputs (selection, pair embeddings, aggregates, neighbours, ...) stay until pruned here. Intervals the next
+    refresh still reads (the last exclusion_runs selections, aggregate_hours of pair embeddings, the KNN index of
+    the last knn_rebuild_hours, every dataset's newest) are kept whatever the bound, and counted. Prints, per
+    dataset, what was removed and the bytes freed."""
+    import pandas as pd
+
+    from solaris_jobs.core.settings import Settings, env_var
+    from solaris_jobs.pipeline import retention
+    if (before is None) == (keep_hours is None):
+        raise click.UsageError("give one of --before or --keep-hours")
+    s = Settings.from_env(require=False, **({"offline": offline} if offline else {}))
+    if not s.offline:
+        raise click.UsageError(f"no offline store: pass --offline or set {env_var('offline')}")
+    names = {"state": retention.STATE, "all": retention.DATASETS}.get(datasets) or tuple(
+        d.strip() for d in datasets.split(",") if d.strip())
+    bound = _utc_arg(before, "--before") if before is not None else (
+        lambda ends: ends[-1] - pd.Timedelta(hours=keep_hours) if ends else None)
+    try:
+        got = retention.prune(s.offline, s.precompute, names, bound, dry_run=dry_run)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--datasets")
+    _echo_json({"dry_run": dry_run, "datasets": got,
+                "intervals": sum(len(v["removed"]) for v in got.values()),
+                "bytes": sum(v["bytes"] for v in got.values())})
+
+
 @main.command("airflow")
 @click.option("--home", default="artifacts/airflow", type=click.Path(file_okay=False), help="AIRFLOW_HOME.")
 @click.option("--port", default=8080, help="API server and UI port on 127.0.0.1 (0: a free one).")

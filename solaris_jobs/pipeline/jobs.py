@@ -36,6 +36,7 @@ from solaris_jobs.core.events import to_utc
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.pipeline import model_refs
 from solaris_jobs.pipeline import precompute as pc
+from solaris_jobs.pipeline import retention
 from solaris_jobs.pipeline.event_source import event_source
 
 logger = logging.getLogger(__name__)
@@ -221,7 +222,8 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     state = _write_state(spark, s, T, (hist, uc, ic), history_len, off.RUN + staged.run, clock, log=log,
                          full_at=T if base is None else pd.Timestamp(base[1]["full_at"]), simulator=simulator)
     if state is not None:
-        state.update(built="full" if base is None else "incremental", full_because=full_because)
+        state.update(built="full" if base is None else "incremental", full_because=full_because,
+                     pruned=retention.prune_state(s.offline, cfg, T))
     written = spark.read.parquet(staged.path)
     agg = written.agg(F.count("*").alias("rows"), F.count("vm_score").alias("scored"),
                       F.sum(F.col("selected").cast("int")).alias("selected"),
