@@ -93,6 +93,30 @@ def test_spark_candidates_equal_the_request_simulator(spark, movielens_root):
     assert got.groupby("user_id").size().max() == 40
 
 
+def test_simulated_sets_hand_checked():
+    """The numpy step of ``candidate_pairs``: counts summed over a user's seeds, ties by the smaller item, at most
+    n_candidates - n_popular co-visited items, then popular items the user does not have yet, in rank order."""
+    user = np.array([1, 1, 1, 1, 1, 2, 2, 2], np.int64)
+    item = np.array([7, 5, 6, 7, 9, 8, 3, 4], np.int64)      # user 1: item 7 from two seeds (2 + 1 = 3)
+    count = np.array([2, 3, 4, 1, 1, 5, 1, 1], np.int64)
+    popular = np.array([9, 4, 30, 31, 32], np.int64)           # ranks 0..4
+    u, i, tier, n = pc.simulated_sets(np.array([3, 1, 2, 1]), user, item, count, popular, n_candidates=5,
+                                      n_popular=3)
+    got = sorted(zip(u.tolist(), i.tolist(), tier.tolist(), n.tolist()))
+    assert got == sorted([
+        (1, 6, 0, 4), (1, 5, 0, 3),                                # 2 co-visited: 6 (4), then 5 and 7 tie at 3: 5
+        (1, 9, 1, 0), (1, 4, 1, 1), (1, 30, 1, 2),                 # then 3 popular ones: 9 was cut, so it comes back
+        (2, 8, 0, 5), (2, 3, 0, 1),                                # 3 and 4 tie at 1: 3
+        (2, 9, 1, 0), (2, 4, 1, 1), (2, 30, 1, 2),
+        (3, 9, 1, 0), (3, 4, 1, 1), (3, 30, 1, 2), (3, 31, 1, 3), (3, 32, 1, 4)])  # no seeds: popular only
+    # Fewer co-visited items leave more room: user 2 with n_popular 2 keeps 8, 3, 4, and popular 4 is skipped.
+    u, i, tier, n = pc.simulated_sets(np.array([2]), user[5:], item[5:], count[5:], popular, 5, 2)
+    assert sorted(zip(i.tolist(), tier.tolist())) == [(3, 0), (4, 0), (8, 0), (9, 1), (30, 1)]
+    # No co-visit rows and no popular items: nothing, without an error.
+    empty = np.array([], np.int64)
+    assert all(len(x) == 0 for x in pc.simulated_sets(np.array([1]), empty, empty, empty, empty, 5, 2))
+
+
 def test_selection_exclusion_and_misses_hand_checked(spark):
     scored = spark.createDataFrame(pd.DataFrame({
         "user_id": [1, 1, 1, 1, 1, 2, 2],

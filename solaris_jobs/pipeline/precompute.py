@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Iterator
 
 import numpy as np
 import pandas as pd
@@ -233,41 +234,92 @@ def merge_seeds(prev, new_events, n: int, since=None):
     return _latest_seeds(both, n)
 
 
+def simulated_sets(users: np.ndarray, user: np.ndarray, item: np.ndarray, count: np.ndarray, popular: np.ndarray,
+                   n_candidates: int, n_popular: int):
+    """The request simulator's candidate sets of some users, from their seeds' co-visit rows (one row per seed and
+    co-visited item, the users' rows all here): per user, the items by summed count (most first, then the smaller
+    id), at most ``n_candidates - n_popular`` of them, then the ``popular`` items (most popular first) that are not
+    among them, up to ``n_candidates`` in all.
+
+    Args:
+        users: every user that gets a set (those without co-visit rows get the popular items).
+        user, item, count: the co-visit rows (int64).
+        popular: the popular items, most popular first.
+
+    Returns:
+        (user, item, tier, n): tier 0 for co-visited items (n: the summed count), 1 for popular ones (n: the rank).
+    """
+    users = np.unique(users)
+    n_cov = n_candidates - n_popular
+    if len(user):
+        order = np.lexsort((item, user))
+        user, item, count = user[order], item[order], count[order]
+        starts = np.flatnonzero(np.r_[True, (user[1:] != user[:-1]) | (item[1:] != item[:-1])])
+        user, item, count = user[starts], item[starts], np.add.reduceat(count, starts)
+        order = np.lexsort((item, -count, user))
+        user, item, count = user[order], item[order], count[order]
+        first = np.r_[True, user[1:] != user[:-1]]
+        at = np.arange(len(user))
+        keep = at - np.maximum.accumulate(np.where(first, at, 0)) < n_cov
+        user, item, count = user[keep], item[keep], count[keep]
+    row = np.searchsorted(users, user)
+    # Which popular item each user already has from co-visitation; the rest fill the set in popularity order.
+    taken = np.zeros((len(users), len(popular)), bool)
+    if len(popular) and len(item):
+        by_id = np.argsort(popular, kind="stable")
+        j = np.minimum(np.searchsorted(popular, item, sorter=by_id), len(popular) - 1)
+        hit = popular[by_id[j]] == item
+        taken[row[hit], by_id[j[hit]]] = True
+    room = n_candidates - np.bincount(row, minlength=len(users))
+    free = ~taken
+    fill_row, rank = np.nonzero(free & (np.cumsum(free, axis=1) <= room[:, None]))
+    return (np.concatenate([user, users[fill_row]]), np.concatenate([item, popular[rank]]),
+            np.concatenate([np.zeros(len(user), np.int8), np.ones(len(rank), np.int8)]),
+            np.concatenate([count, rank.astype(np.int64)]))
+
+
 def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None, seeds=None, totals=None):
     """The request simulator in Spark: for each user, what ``RequestSimulator(prior, cutoff).candidates`` gives.
     What the caller already has: ``cov`` (``covisitation(prior, cfg)``), ``seeds`` (``user_seeds(prior,
     cfg.history_items)``) and ``totals`` (each item's events in ``prior``: ``popular_items``); with all three,
     ``prior`` needs to hold only the last ``popularity_hours``.
 
+    The seeds' co-visit rows and the users are shuffled by user once; each partition's sets are then made at once
+    in numpy (``simulated_sets``), not by windows over the pairs. The popular items (at most ``n_candidates``) are
+    collected.
+
     Returns:
         (user_id, item_id, source, retrieval_score), at most ``n_candidates`` distinct items per user.
     """
-    from pyspark.sql import Window
     from pyspark.sql import functions as F
+    from pyspark.sql.types import ByteType, LongType, StructField, StructType
     seeds = (user_seeds(prior, cfg.history_items) if seeds is None else seeds).select("user_id", "seed") \
         .join(users, "user_id")
-    cov = (seeds.join(covisitation(prior, cfg) if cov is None else cov, "seed").groupBy("user_id", "item_id")
-           .agg(F.sum("count").alias("count")))
-    cov = (cov.withColumn("k", F.row_number().over(Window.partitionBy("user_id")
-                                                   .orderBy(F.desc("count"), "item_id")))
-           .where(F.col("k") <= cfg.n_candidates - cfg.n_popular)
-           .select("user_id", "item_id", F.lit(0).alias("_tier"), F.col("k").alias("_order"),
-                   F.lit("covisit").alias("source"),
-                   F.log1p(F.col("count").cast("double")).cast("float").alias("retrieval_score")))
-    # The popular items fill each set up to n_candidates, skipping items co-visitation already gave: one union
-    # ordered (co-visitation by count, then popularity rank), a pair kept once (its co-visitation row first).
-    pop = popular_items(prior, cutoff, cfg, totals)               # at most n_candidates rows
-    pop = pop.withColumn("n_pop", F.count("*").over(Window.partitionBy()))
-    fill = (users.crossJoin(F.broadcast(pop))
-            .select("user_id", "item_id", F.lit(1).alias("_tier"), F.col("rank").alias("_order"),
-                    F.lit("popular").alias("source"),
-                    (-F.col("rank") / F.col("n_pop")).cast("float").alias("retrieval_score")))
-    both = cov.unionByName(fill)
-    once = Window.partitionBy("user_id", "item_id").orderBy("_tier", "_order")
-    by_user = Window.partitionBy("user_id").orderBy("_tier", "_order", "item_id")
-    return (both.withColumn("_d", F.row_number().over(once)).where("_d = 1")
-            .withColumn("_k", F.row_number().over(by_user)).where(F.col("_k") <= cfg.n_candidates)
-            .select("user_id", "item_id", "source", "retrieval_score"))
+    rows = (seeds.join(covisitation(prior, cfg) if cov is None else cov, "seed")
+            .select("user_id", "item_id", F.col("count").cast("long"), F.lit(False).alias("_only"))
+            .unionByName(users.select("user_id", F.lit(0).cast("long").alias("item_id"),
+                                      F.lit(0).cast("long").alias("count"), F.lit(True).alias("_only"))))
+    popular = np.array([r["item_id"] for r in popular_items(prior, cutoff, cfg, totals).orderBy("rank").collect()],
+                       np.int64)
+    n_candidates, n_popular = cfg.n_candidates, cfg.n_popular
+
+    def sets(frames):
+        pdf = pd.concat(list(frames), ignore_index=True)
+        if not len(pdf):
+            return
+        only = pdf["_only"].to_numpy(bool)
+        cols = [pdf[c].to_numpy(np.int64)[~only] for c in ("user_id", "item_id", "count")]
+        u, i, tier, n = simulated_sets(pdf["user_id"].to_numpy(np.int64)[only], *cols, popular, n_candidates,
+                                       n_popular)
+        yield pd.DataFrame({"user_id": u, "item_id": i, "_tier": tier, "_n": n})
+
+    schema = StructType([StructField("user_id", LongType()), StructField("item_id", LongType()),
+                         StructField("_tier", ByteType()), StructField("_n", LongType())])
+    out = rows.repartition("user_id").mapInPandas(sets, schema)
+    cov_row = F.col("_tier") == 0
+    return out.select("user_id", "item_id", F.when(cov_row, "covisit").otherwise("popular").alias("source"),
+                      F.when(cov_row, F.log1p(F.col("_n").cast("double")))
+                      .otherwise(-F.col("_n") / F.lit(max(len(popular), 1))).cast("float").alias("retrieval_score"))
 
 
 # ----------------------------------------------------------------------------------------------- counters
@@ -311,28 +363,30 @@ COUNTER_COLS = USER_COUNTER_COLS + ITEM_COUNTER_COLS
 # ----------------------------------------------------------------------------------------------- models on executors
 
 def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
-    """Adds ``vm_score`` (the verifier: the current VM without FM features) to pairs with counter columns."""
-    from pyspark.sql.types import FloatType, StructField, StructType
+    """Adds ``vm_score`` (the verifier: the current VM without FM features) to pairs with counter columns. Only the
+    model's inputs go to Python and only the score comes back (a pandas UDF), not the pairs' other columns."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import FloatType
 
-    schema = StructType(list(pairs.schema.fields) + [StructField("vm_score", FloatType())])
     batch_size, device, threads = cfg.batch_size, cfg.device, cfg.torch_threads
+    names = ("user", "item", *COUNTER_COLS)
 
-    def score(frames):
+    def score(batches: Iterator[tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
         import torch
 
         from models import batch_to_tensors
         model, _, dev = load(vm, device, threads)
-        for pdf in frames:
-            scores = np.empty(len(pdf), np.float32)
-            for s in range(0, len(pdf), batch_size):
-                part = pdf.iloc[s: s + batch_size]
-                b = {"user": part["user_id"].to_numpy(), "item": part["item_id"].to_numpy(),
-                     **{c: part[c].to_numpy(np.float32) for c in COUNTER_COLS}}
-                with torch.inference_mode():
-                    scores[s: s + len(part)] = torch.sigmoid(model(batch_to_tensors(b, dev))["logit"]).cpu().numpy()
-            yield pdf.assign(vm_score=scores)
+        for cols in batches:
+            arrays = [c.to_numpy(np.int64 if k < 2 else np.float32) for k, c in enumerate(cols)]
+            scores = np.empty(len(arrays[0]), np.float32)
+            with torch.inference_mode():
+                for s in range(0, len(scores), batch_size):
+                    b = {name: a[s: s + batch_size] for name, a in zip(names, arrays)}
+                    scores[s: s + batch_size] = torch.sigmoid(model(batch_to_tensors(b, dev))["logit"]).cpu().numpy()
+            yield pd.Series(scores)
 
-    return pairs.mapInPandas(score, schema)
+    udf = F.pandas_udf(score, FloatType())
+    return pairs.withColumn("vm_score", udf("user_id", "item_id", *COUNTER_COLS))
 
 
 # ----------------------------------------------------------------------------------------------- exclusion, selection
@@ -431,6 +485,8 @@ def candidate_pool(simulated, recent=None, misses=None):
         parts.append(misses.groupBy("user_id", "item_id").agg(F.max("missed_at").alias("last_seen"))
                      .select("user_id", "item_id", F.lit("miss").alias("source"),
                              F.lit(None).cast("float").alias("retrieval_score"), "last_seen"))
+    if len(parts) == 1:         # each part holds a pair once: nothing to merge
+        return parts[0].select("user_id", "item_id", "source", "retrieval_score", "last_seen")
     pool = functools.reduce(lambda a, b: a.unionByName(b), parts)
     order = F.array_position(F.array(*[F.lit(x) for x in POOL_SOURCES]), F.col("source"))
     # One hash aggregation per pair (a window over (user, item) would sort the whole pool); a source appears at
