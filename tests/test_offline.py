@@ -205,22 +205,35 @@ def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read
     from solaris_jobs.flows.cli import main
     from solaris_jobs.pipeline import retention
     ends = [END + pd.Timedelta(hours=h) for h in range(30)]          # 30 hourly intervals, END .. END + 29 h
-    for d in ("selection", "pair_embeddings", "neighbours", "covisit_counts", "user_histories"):
+    for d in ("selection", "pair_embeddings", "neighbours", "knn_index", "covisit_counts", "user_histories"):
         for e in ends:
             off.write_interval(pa.table({"user_id": [int(e.hour)] * 100}), tmp_path, d, e)
-    # An incomplete folder, older than every interval: a writer that died before its publish.
-    dead = Path(off.interval_uri(tmp_path, "selection", END - pd.Timedelta(hours=1))) / "run-dead"
-    dead.mkdir(parents=True)
-    (dead / "part-0.parquet").write_bytes(b"x" * 10)
-    cfg = PrecomputeConfig(exclusion_runs=3, aggregate_hours=24.0, state_keep_hours=2.0)
+    # Older than every interval: a dead writer's folder (no pointer, 7 h old), a live writer's (no pointer, just
+    # made: it stays), and an output of the layout before pointers (complete by its _SUCCESS).
+    hour = pd.Timedelta(hours=1)
+    for h, name in ((3, "run-dead"), (2, "run-live")):
+        run = Path(off.interval_uri(tmp_path, "selection", END - h * hour)) / name
+        run.mkdir(parents=True)
+        (run / "part-0.parquet").write_bytes(b"x" * 10)
+        if name == "run-dead":
+            then = time.time() - 7 * 3600
+            for path in (run / "part-0.parquet", run, run.parent):
+                os.utime(path, (then, then))
+    legacy = Path(off.interval_uri(tmp_path, "selection", END - hour))
+    legacy.mkdir(parents=True)
+    pd.DataFrame({"user_id": [1]}).to_parquet(legacy / "part-0.parquet")
+    (legacy / "_SUCCESS").touch()
+    cfg = PrecomputeConfig(exclusion_runs=3, aggregate_hours=24.0, knn_rebuild_hours=12.0, state_keep_hours=2.0)
 
     # A bound past every interval: each dataset keeps only what the next refresh reads back.
-    got = retention.prune(tmp_path, cfg, ("selection", "pair_embeddings", "neighbours"), ends[-1] + pd.Timedelta(1))
+    got = retention.prune(tmp_path, cfg, ("selection", "pair_embeddings", "neighbours", "knn_index"),
+                          ends[-1] + pd.Timedelta(1))
     assert off.list_intervals(tmp_path, "selection") == ends[-3:]                    # negative exclusion's 3 runs
     assert off.list_intervals(tmp_path, "pair_embeddings") == ends[-25:]             # the aggregate's 24 h
+    assert off.list_intervals(tmp_path, "knn_index") == ends[-13:]                   # the index's 12 h
     assert off.list_intervals(tmp_path, "neighbours") == ends[-1:]                   # materialize's input
-    assert off.interval_ends(tmp_path, "selection") == ends[-3:]                     # the dead folder went too
-    assert got["selection"]["kept_for_jobs"] == 3 and len(got["selection"]["removed"]) == 28
+    assert off.interval_ends(tmp_path, "selection") == [END - 2 * hour, *ends[-3:]]  # the dead and legacy ones went
+    assert got["selection"]["kept_for_jobs"] == 3 and len(got["selection"]["removed"]) == 29
     assert got["pair_embeddings"]["kept_for_jobs"] == 25 and got["neighbours"]["kept_for_jobs"] == 1
     assert got["selection"]["bytes"] > 27 * 100                                      # what the files held
     assert off.read_table(tmp_path, "selection", ends[-1]).num_rows == 100           # the kept ones read whole
@@ -231,7 +244,8 @@ def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read
     assert off.list_intervals(tmp_path, "covisit_counts") == ends[8:]
     assert off.list_intervals(tmp_path, "user_histories") == ends[8:]
 
-    # A removal cut short after the pointers leaves an incomplete interval, which no reader takes for an output.
+    # A removal cut short after the pointers leaves an incomplete interval, which no reader takes for an output;
+    # select's own pruning then only warns (its outputs are whole).
     class NoDirDeletes:                         # the local file system, failing to remove folders
         def __init__(self, fs):
             self.fs = fs
@@ -245,24 +259,29 @@ def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read
     monkeypatch.setattr(off, "filesystem", lambda uri: (NoDirDeletes(real(uri)[0]), real(uri)[1]))
     with pytest.raises(OSError):
         off.remove_interval(tmp_path, "covisit_counts", ends[8])
-    assert ends[8] in off.interval_ends(tmp_path, "covisit_counts")
     assert ends[8] not in off.list_intervals(tmp_path, "covisit_counts")
     with pytest.raises(FileNotFoundError, match="no complete covisit_counts output"):
         off.read_table(tmp_path, "covisit_counts", ends[8])
+    assert "I/O error" in retention.prune_state(tmp_path, cfg, ends[12])["error"]
     monkeypatch.undo()
 
-    # The CLI: --keep-hours from each dataset's newest, a dry run changes nothing, an unknown dataset is named.
+    # The CLI: --keep-hours from each dataset's newest, a dry run changes nothing, an unknown dataset is named
+    # before anything is removed, groups and names mix.
     run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--keep-hours", "5", "--datasets",
                                     "state", "--dry-run"])
     assert run.exit_code == 0, run.output
     out = json.loads(run.output)
-    assert out["dry_run"] and out["datasets"]["covisit_counts"]["removed"][0] == ends[8].isoformat()
-    assert len(out["datasets"]["covisit_counts"]["removed"]) == 16                   # ends[8] .. ends[23]
-    assert off.list_intervals(tmp_path, "covisit_counts") == ends[9:]
-    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--keep-hours", "5"])
-    assert run.exit_code == 0, run.output
-    assert off.interval_ends(tmp_path, "covisit_counts") == ends[-6:]
-    assert off.list_intervals(tmp_path, "selection") == ends[-3:]                    # state only by default
-    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--before", "2026-01-06",
-                                    "--datasets", "selection,pairs"])
+    # The one cut short (ends[8]: no pointer, files just written) waits for ORPHAN_AGE like a live writer's.
+    assert out["dry_run"] and out["datasets"]["covisit_counts"]["removed"][0] == ends[9].isoformat()
+    assert len(out["datasets"]["covisit_counts"]["removed"]) == 15                   # ends[9] .. ends[23]
+    assert off.interval_ends(tmp_path, "covisit_counts") == ends[8:]
+    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--keep-hours", "0",
+                                    "--datasets", "user_histories,pairs"])
     assert run.exit_code != 0 and "'pairs': not an offline dataset" in run.output
+    assert off.list_intervals(tmp_path, "user_histories") == ends[9:]              # (ends[8]: cut short above)
+    run = CliRunner().invoke(main, ["prune", "--offline", str(tmp_path), "--keep-hours", "5", "--datasets",
+                                    "state,pair_embeddings"])
+    assert run.exit_code == 0, run.output
+    assert off.interval_ends(tmp_path, "covisit_counts") == [ends[8], *ends[-6:]]
+    assert off.list_intervals(tmp_path, "pair_embeddings") == ends[-25:]           # the aggregate's still
+    assert off.list_intervals(tmp_path, "selection") == ends[-3:]

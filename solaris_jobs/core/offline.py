@@ -216,11 +216,8 @@ def list_intervals(offline, dataset: str, since=None, before=None, last: int | N
         since, before: only ends with ``since <= end < before`` (None: no bound), filtered before anything is read.
         last: only the newest ``last`` complete ones (checked newest first, so older ones are not read).
     """
-    fs, base = filesystem(dataset_uri(offline, dataset))
-    infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
-    ends = sorted(parse_key(i.base_name) for i in infos
-                  if i.type == pafs.FileType.Directory and i.base_name.startswith("end="))
-    ends = [e for e in ends if (since is None or e >= since) and (before is None or e < before)]
+    ends = [e for e in interval_ends(offline, dataset)
+            if (since is None or e >= since) and (before is None or e < before)]
     out = []
     for e in reversed(ends):
         if last is not None and len(out) >= last:
@@ -235,6 +232,17 @@ def interval_ends(offline, dataset: str) -> list[pd.Timestamp]:
     fs, base = filesystem(dataset_uri(offline, dataset))
     return sorted(parse_key(i.base_name) for i in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
                   if i.type == pafs.FileType.Directory and i.base_name.startswith("end="))
+
+
+def abandoned(offline, dataset: str, end) -> bool:
+    """Whether an interval folder with no complete output is a dead writer's: nothing in it (the folder included,
+    where the file system knows its time) younger than ``ORPHAN_AGE``."""
+    from solaris_jobs.core.events import to_utc
+    fs, folder = filesystem(interval_uri(offline, dataset, end))
+    old = pd.Timestamp.now(tz="UTC") - ORPHAN_AGE
+    infos = [fs.get_file_info(folder), *fs.get_file_info(pafs.FileSelector(folder, recursive=True,
+                                                                            allow_not_found=True))]
+    return all(i.mtime is None or to_utc(i.mtime) < old for i in infos)
 
 
 def remove_interval(offline, dataset: str, end, dry_run: bool = False) -> int:

@@ -499,10 +499,13 @@ def status_cmd(offline, last, metrics, scan_limit, as_json, now, feature_repo) -
 @click.option("--keep-hours", default=None, type=click.FloatRange(min=0),
               help="Or: keep each dataset's last this many hours (before its newest interval's end).")
 @click.option("--datasets", default="state", show_default=True,
-              help="Comma-separated datasets; `state` for the state select keeps for the next interval, `all` for "
-                   "every dataset.")
+              help="Comma-separated datasets and groups: `state` (what select keeps for the next interval), "
+                   "`all` (every dataset).")
+@click.option("--settings", "settings_json", default=None, metavar="JSON|@FILE",
+              help="The refresh's Settings as JSON (or @file), for what the jobs read back (exclusion_runs, "
+                   "aggregate_hours, knn_rebuild_hours); default the SOLARIS_* environment.")
 @click.option("--dry-run", is_flag=True, help="Only say what would go.")
-def prune_cmd(offline, before, keep_hours, datasets, dry_run) -> None:
+def prune_cmd(offline, before, keep_hours, datasets, settings_json, dry_run) -> None:
     """Remove old intervals from the offline store. Select already prunes its own state (--state-keep-hours); the
     outputs (selection, pair embeddings, aggregates, neighbours, ...) stay until pruned here. Intervals the next
     refresh still reads (the last exclusion_runs selections, aggregate_hours of pair embeddings, the KNN index of
@@ -514,17 +517,24 @@ def prune_cmd(offline, before, keep_hours, datasets, dry_run) -> None:
     from solaris_jobs.pipeline import retention
     if (before is None) == (keep_hours is None):
         raise click.UsageError("give one of --before or --keep-hours")
-    s = Settings.from_env(require=False, **({"offline": offline} if offline else {}))
+    if settings_json:
+        text = Path(settings_json[1:]).read_text() if settings_json.startswith("@") else settings_json
+        s = Settings.from_json(text)
+        s = s.override(offline=offline) if offline else s
+    else:
+        s = Settings.from_env(require=False, **({"offline": offline} if offline else {}))
     if not s.offline:
         raise click.UsageError(f"no offline store: pass --offline or set {env_var('offline')}")
-    names = {"state": retention.STATE, "all": retention.DATASETS}.get(datasets) or tuple(
-        d.strip() for d in datasets.split(",") if d.strip())
-    bound = _utc_arg(before, "--before") if before is not None else (
-        lambda ends: ends[-1] - pd.Timedelta(hours=keep_hours) if ends else None)
+    groups = {"state": retention.STATE, "all": retention.DATASETS}
+    names = tuple(dict.fromkeys(n for d in datasets.split(",") if d.strip()
+                                for n in groups.get(d.strip(), (d.strip(),))))
     try:
-        got = retention.prune(s.offline, s.precompute, names, bound, dry_run=dry_run)
+        retention.check_datasets(names)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--datasets")
+    bound = _utc_arg(before, "--before") if before is not None else (
+        lambda ends: ends[-1] - pd.Timedelta(hours=keep_hours) if ends else None)
+    got = retention.prune(s.offline, s.precompute, names, bound, dry_run=dry_run)
     _echo_json({"dry_run": dry_run, "datasets": got,
                 "intervals": sum(len(v["removed"]) for v in got.values()),
                 "bytes": sum(v["bytes"] for v in got.values())})

@@ -278,6 +278,9 @@ def simulated_sets(users: np.ndarray, user: np.ndarray, item: np.ndarray, count:
             np.concatenate([count, rank.astype(np.int64)]))
 
 
+SETS_ROWS = 4_000_000
+
+
 def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None, seeds=None, totals=None):
     """The request simulator in Spark: for each user, what ``RequestSimulator(prior, cutoff).candidates`` gives.
     What the caller already has: ``cov`` (``covisitation(prior, cfg)``), ``seeds`` (``user_seeds(prior,
@@ -304,7 +307,10 @@ def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None, seeds=
     n_candidates, n_popular = cfg.n_candidates, cfg.n_popular
 
     def sets(frames):
-        pdf = pd.concat(list(frames), ignore_index=True)
+        frames = list(frames)
+        if not frames:
+            return
+        pdf = pd.concat(frames, ignore_index=True)
         if not len(pdf):
             return
         only = pdf["_only"].to_numpy(bool)
@@ -315,7 +321,10 @@ def candidate_pairs(prior, users, cutoff, cfg: SimulatorConfig, cov=None, seeds=
 
     schema = StructType([StructField("user_id", LongType()), StructField("item_id", LongType()),
                          StructField("_tier", ByteType()), StructField("_n", LongType())])
-    out = rows.repartition("user_id").mapInPandas(sets, schema)
+    # A partition's rows are in memory at once: enough partitions for about SETS_ROWS co-visit rows each at most
+    # (a user has at most history_items x covisit_top of them).
+    n_parts = max(1, -(-users.count() * cfg.history_items * cfg.covisit_top // SETS_ROWS))
+    out = rows.repartition(n_parts, "user_id").mapInPandas(sets, schema)
     cov_row = F.col("_tier") == 0
     return out.select("user_id", "item_id", F.when(cov_row, "covisit").otherwise("popular").alias("source"),
                       F.when(cov_row, F.log1p(F.col("_n").cast("double")))
@@ -471,7 +480,7 @@ def candidate_pool(simulated, recent=None, misses=None):
     candidates; null otherwise) and ``last_seen`` (latest ranking or miss; null for pairs never ranked).
 
     Args:
-        simulated: (user_id, item_id, source, retrieval_score) from ``candidate_pairs``, or None (then
+        simulated: (user_id, item_id, source, retrieval_score) from ``candidate_pairs`` (a pair once), or None (then
             ``recent`` or ``misses`` is given).
         recent: (user_id, item_id, last_seen) from ``recent_pairs``, or None.
         misses: (user_id, item_id, missed_at), or None.

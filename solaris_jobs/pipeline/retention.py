@@ -15,9 +15,13 @@ interval is removed pointers first (``offline.remove_interval``): a reader sees 
 """
 from __future__ import annotations
 
+import logging
+
 import pandas as pd
 
 from solaris_jobs.core import offline as off
+
+logger = logging.getLogger(__name__)
 
 STATE = off.STATE_DATASETS + off.SIMULATOR_STATE
 # Every dataset with one folder per interval (reports and misses have their own layouts and are small).
@@ -42,27 +46,42 @@ def protected_from(cfg, dataset: str, ends: list[pd.Timestamp]) -> pd.Timestamp 
     return newest
 
 
+def check_datasets(datasets) -> tuple[str, ...]:
+    """The names, checked before anything is removed.
+
+    Raises:
+        ValueError: a name that is not an offline dataset with one folder per interval (the message names it).
+    """
+    bad = [d for d in datasets if d not in DATASETS]
+    if bad:
+        raise ValueError(f"{', '.join(map(repr, bad))}: not an offline dataset with one folder per interval "
+                         f"({', '.join(DATASETS)})")
+    return tuple(datasets)
+
+
 def prune(offline, cfg, datasets, before, dry_run: bool = False) -> dict:
     """Removes the intervals of ``datasets`` that end before ``before`` (a time, or a callable giving it from the
-    dataset's complete interval ends, e.g. their newest less some hours), except those ``protected_from`` keeps.
-    Incomplete folders (a write that died before its publish) before the bound go too.
+    dataset's complete interval ends, e.g. their newest less some hours; None: nothing), except those
+    ``protected_from`` keeps. Incomplete folders before the bound go too once ``offline.ORPHAN_AGE`` old (a write
+    that died before its publish; a younger one may be a writer's at work).
 
     Returns:
         Per dataset: ``removed`` (interval ends), ``bytes`` (their files), ``kept_for_jobs`` (intervals before the
-        bound kept because the jobs read them back) and ``before`` (the bound used).
+        bound kept because the jobs read them back) and ``before`` (the bound used, None: none).
     """
     out = {}
-    for d in datasets:
-        if d not in DATASETS:
-            raise ValueError(f"{d!r}: not an offline dataset with one folder per interval ({', '.join(DATASETS)})")
+    for d in check_datasets(datasets):
         complete = off.list_intervals(offline, d)
         bound = before(complete) if callable(before) else before
+        out[d] = {"before": None, "removed": [], "bytes": 0, "kept_for_jobs": 0}
         if bound is None:
             continue
         bound = pd.Timestamp(bound)
         keep = protected_from(cfg, d, complete)
         limit = bound if keep is None else min(bound, keep)
-        doomed = [e for e in off.interval_ends(offline, d) if e < limit]
+        done = set(complete)
+        doomed = [e for e in off.interval_ends(offline, d)
+                  if e < limit and (e in done or off.abandoned(offline, d, e))]
         out[d] = {"before": bound.isoformat(), "removed": [e.isoformat() for e in doomed],
                   "bytes": sum(off.remove_interval(offline, d, e, dry_run) for e in doomed),
                   "kept_for_jobs": sum(1 for e in complete if limit <= e < bound)}
@@ -72,6 +91,10 @@ def prune(offline, cfg, datasets, before, dry_run: bool = False) -> dict:
 def prune_state(offline, cfg, T: pd.Timestamp) -> dict:
     """Select's own pruning, once the interval's state at ``T`` is published: state intervals ending more than
     ``state_keep_hours`` before ``T`` (never ``T``'s own nor a later one)."""
-    got = prune(offline, cfg, STATE, T - pd.Timedelta(hours=cfg.state_keep_hours))
+    try:
+        got = prune(offline, cfg, STATE, T - pd.Timedelta(hours=cfg.state_keep_hours))
+    except OSError as e:                # the interval's own outputs are whole: a failed removal only waits
+        logger.warning("could not remove old state before %s (the next select tries again): %s", T, e)
+        return {"intervals": 0, "bytes": 0, "error": str(e)}
     return {"intervals": max((len(v["removed"]) for v in got.values()), default=0),
             "bytes": sum(v["bytes"] for v in got.values())}
