@@ -142,8 +142,8 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     # are read (the whole lookback later only if the simulator runs without its state); else the whole lookback,
     # once.
     lookback = read_from(T, cfg.lookback_days, start)
-    near_only = base is not None and (_simulator_may_be_skipped(cfg)
-                                      or _simulator_base(s, cfg, T, history_len, base) is None)
+    sim_why = _simulator_base(s, cfg, T, history_len, base)      # read once: the stats of the previous interval
+    near_only = base is not None and (_simulator_may_be_skipped(cfg) or sim_why is None)
     first = min(start, T - pd.Timedelta(hours=_near_hours(cfg))) if near_only else lookback
     ev = read(first)
     near = cache(pc.prior_events(ev, T, cfg.lookback_days))
@@ -184,7 +184,7 @@ def select(spark, s: Settings, start, end, *, events=None, models=None, clock=No
     # Without simulator candidates the pool is the one just counted (cached): not computed a second time.
     simulator = None
     if not skipped_simulator:
-        simulator = _simulator_of(spark, s, cfg, source, T, history_len, base, near, whole, cache, gone_events)
+        simulator = _simulator_of(spark, s, cfg, source, T, base, sim_why, near, whole, cache, gone_events)
         counts, seeds, why, _ = simulator
         # The popularity of the last popularity_hours, from the events read or their own read of the log; of the
         # whole lookback, the item counters.
@@ -513,17 +513,19 @@ def _simulator_base(s: Settings, cfg, T: pd.Timestamp, history_len: int | None, 
     return None
 
 
-def _simulator_of(spark, s: Settings, cfg, source, T: pd.Timestamp, history_len, base, events, whole, cache,
-                  gone_events):
+def _simulator_of(spark, s: Settings, cfg, source, T: pd.Timestamp, base, why, events, whole, cache, gone_events):
     """The request simulator's state at T (cached): the lookback's co-visit counts and each user's latest items
     (seeds); why it was made from the whole lookback (None: updated); when it last was. Updated: the previous
     interval's, with ``events`` since its end (the co-visit pairs whose later event is new, with the last
     ``covisit_window`` events before them from the previous histories) and less the co-visit pairs whose earlier
     event left the lookback (``gone_events()``, with each leaving user's next events: from the previous histories
-    where they reach back far enough, else from the log); seeds that left the lookback dropped."""
+    where they reach back far enough, else from the log); seeds that left the lookback dropped. ``why``:
+    ``_simulator_base`` of the state as it was before the state's update (None: the simulator's can be updated);
+    ``base`` None: the state's update was dropped since, so this one is rebuilt too."""
     from pyspark.sql import functions as F
     window, n_seeds = cfg.simulator.covisit_window, cfg.simulator.history_items
-    why = _simulator_base(s, cfg, T, history_len, base)
+    if base is None:
+        why = "the state is rebuilt"
     if why is not None:
         return cache(pc.covisit_counts(whole(), window)), cache(pc.user_seeds(whole(), n_seeds)), why, T
     P, _, leaving, _ = base
