@@ -90,7 +90,7 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
 
 
 def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
-    from solaris_jobs.pipeline import precompute as pc
+    from solaris_jobs.pipeline import selection
     ts = lambda h: (T0 + pd.Timedelta(hours=h)).to_pydatetime()
     sim = spark.createDataFrame(pd.DataFrame({"user_id": [1, 1, 2], "item_id": [10, 11, 20],
                                               "source": ["covisit", "popular", "popular"],
@@ -99,7 +99,7 @@ def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
     recent = spark.createDataFrame([(1, 10, ts(5)), (2, 21, ts(3)), (2, 22, ts(6))],
                                    "user_id long, item_id long, last_seen timestamp")
     misses = spark.createDataFrame([(2, 21, ts(6.5)), (3, 30, ts(4))], "user_id long, item_id long, missed_at timestamp")
-    pool = pc.candidate_pool(sim, recent, misses).toPandas().sort_values(["user_id", "item_id"])
+    pool = selection.candidate_pool(sim, recent, misses).toPandas().sort_values(["user_id", "item_id"])
     # One row per pair; the strongest source names it; last_seen is the latest ranking or miss.
     assert pool[["user_id", "item_id", "source"]].values.tolist() == [
         [1, 10, "recent"], [1, 11, "popular"], [2, 20, "popular"], [2, 21, "recent"], [2, 22, "recent"],
@@ -110,25 +110,25 @@ def test_budgeted_pool_ranks_recent_pairs_and_misses_inside_one_budget(spark):
     scores = {(1, 10): 0.1, (1, 11): 0.9, (2, 20): 0.8, (2, 21): 0.2, (2, 22): 0.3, (3, 30): 0.5}
     scored = spark.createDataFrame(pool.assign(vm_score=[scores[k] for k in zip(pool.user_id, pool.item_id)]))
     # Recency: most recently ranked or missed first, then the verifier; the never-ranked pairs last. Budget 4.
-    sel = pc.select_budget(scored, 4, "recency", 0.5).toPandas().sort_values("priority_rank")
+    sel = selection.select_budget(scored, 4, "recency", 0.5).toPandas().sort_values("priority_rank")
     assert list(zip(sel.user_id, sel.item_id))[:4] == [(2, 21), (2, 22), (1, 10), (3, 30)]
     assert sel.selected.sum() == 4 and not sel[sel.item_id.isin([11, 20])].selected.any()
     # Verifier: the score alone, across the whole pool (misses compete like any candidate).
-    sel = pc.select_budget(scored, 2, "verifier", 0.5).toPandas()
+    sel = selection.select_budget(scored, 2, "verifier", 0.5).toPandas()
     assert set(zip(sel[sel.selected].user_id, sel[sel.selected].item_id)) == {(1, 11), (2, 20)}
     # The budget: ceil(budget x rows per interval over the window): 10 rows in 24 h, a 6 h interval, 0.5 per row.
     log = spark.createDataFrame([(1, 1, ts(h)) for h in np.linspace(0, 23, 10)],
                                 "user_id long, item_id long, event_timestamp timestamp")
-    assert pc.budget_pairs(log, T0 + pd.Timedelta(hours=18), T0 + pd.Timedelta(hours=24), 0.5, 24) == (2, 2.5)
+    assert selection.budget_pairs(log, T0 + pd.Timedelta(hours=18), T0 + pd.Timedelta(hours=24), 0.5, 24) == (2, 2.5)
     # At scale: 9.5M rows in 24 h (100K users of the scale benchmark) overflowed int64 nanoseconds as a Timedelta.
-    assert pc.expected_rows(9_500_000, T0, T0 + pd.Timedelta(hours=1), 24) == 9_500_000 / 24
-    assert pc.expected_rows(48, T0, T0 + pd.Timedelta(hours=1), 24) == 2.0
+    assert selection.expected_rows(9_500_000, T0, T0 + pd.Timedelta(hours=1), 24) == 9_500_000 / 24
+    assert selection.expected_rows(48, T0, T0 + pd.Timedelta(hours=1), 24) == 2.0
 
 
 def test_the_budget_reach_ranks_and_selects_as_the_whole_pool(spark):
     """Under a budget ranked by recency the verifier scores only the pool's part the budget can reach: that part's
     priority ranks, scores and selection are those of ranking the whole pool, and nothing outside it is selected."""
-    from solaris_jobs.pipeline import precompute as pc
+    from solaris_jobs.pipeline import selection
     rng = np.random.default_rng(5)
     n = 3000
     # Pairs ranked over 3 hours, many in the same second and minute (ties broken by the score, then the ids);
@@ -145,12 +145,12 @@ def test_the_budget_reach_ranks_and_selects_as_the_whole_pool(spark):
     ranked_pairs = int(pool.last_seen.notna().sum())
     latest = pool.last_seen.dropna().sort_values(ascending=False).to_numpy()
     for budget in (0, 1, 40, 777, ranked_pairs, ranked_pairs + 1):
-        whole = pc.select_budget(scored, budget, "recency", 0.5).toPandas()
-        reach = pc.budget_reach(scored, budget)
+        whole = selection.select_budget(scored, budget, "recency", 0.5).toPandas()
+        reach = selection.budget_reach(scored, budget)
         assert (reach is None) == (budget > ranked_pairs)
         if 0 < budget <= ranked_pairs:       # the minute of the budget's last pair, no earlier
             assert reach == pd.Timestamp(latest[budget - 1]).floor("min").value // 1000
-        part = pc.select_budget(pc.within_reach(scored, reach), budget, "recency", 0.5, reach is None).toPandas()
+        part = selection.select_budget(selection.within_reach(scored, reach), budget, "recency", 0.5, reach is None).toPandas()
         if reach is not None:
             assert part["rank"].isna().all() and part["bottom"].isna().all()
             assert len(part) < len(whole) or budget == ranked_pairs

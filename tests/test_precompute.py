@@ -14,10 +14,11 @@ from models import load_checkpoint
 from solaris_jobs.core import events as ev
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.model_inputs import EventIndex, Examples
-from solaris_jobs.core.settings import Settings
+from solaris_jobs.core.settings import PrecomputeConfig, Settings
 from solaris_jobs.data.requests import RequestSimulator, SimulatorConfig
 from solaris_jobs.pipeline import jobs
-from solaris_jobs.pipeline import precompute as pc
+from solaris_jobs.pipeline import aggregates, history, inference, interval_state, selection, simulator, windows
+from solaris_jobs.pipeline.event_source import event_source
 from solaris_jobs.pipeline.spark import read_events_df
 from tests.support import ML_END, ML_LOOKBACK_START, ML_START, assert_same_frames, read_sorted
 
@@ -67,11 +68,11 @@ def test_spark_reads_only_the_days_of_its_bounds(spark, tmp_path):
 
 
 def test_user_batches_keep_each_users_pairs_together():
-    assert pc.user_batches(np.array([], np.int64), 4) == []
-    cuts = pc.user_batches(np.array([10, 1, 1, 2, 3, 1]), 4)
+    assert inference.user_batches(np.array([], np.int64), 4) == []
+    cuts = inference.user_batches(np.array([10, 1, 1, 2, 3, 1]), 4)
     assert [(c.start, c.stop) for c in cuts] == [(0, 1), (1, 3), (3, 5), (5, 6)]   # by the batch of the first pair
     n = np.array([3, 0, 5, 1, 1, 2, 7])
-    cuts = pc.user_batches(n, 5)
+    cuts = inference.user_batches(n, 5)
     assert cuts[0].start == 0 and cuts[-1].stop == len(n)
     assert all(a.stop == b.start for a, b in zip(cuts, cuts[1:]))               # consecutive, every user once
     assert all(n[c].sum() < 5 + n[c].max() for c in cuts)                        # about batch_size pairs each
@@ -80,9 +81,9 @@ def test_user_batches_keep_each_users_pairs_together():
 def test_spark_candidates_equal_the_request_simulator(spark, movielens_root):
     cfg = SimulatorConfig(n_candidates=40, n_popular=15, covisit_window=2, covisit_top=20)
     T = pd.Timestamp("1998-02-01T00:00:00Z")
-    prior = pc.prior_events(read_events_df(spark, str(movielens_root), end=T), T, None).cache()
-    users = pc.active_users(prior, T, 24 * 7)
-    got = pc.candidate_pairs(prior, users, T, cfg).toPandas()
+    prior = windows.prior_events(read_events_df(spark, str(movielens_root), end=T), T, None).cache()
+    users = windows.active_users(prior, T, 24 * 7)
+    got = simulator.candidate_pairs(prior, users, T, cfg).toPandas()
     ids = sorted(users.toPandas()["user_id"])
     assert len(ids) > 20
     ref = RequestSimulator(ev.read_events(movielens_root, end=T), T, cfg).candidates(ids)
@@ -100,7 +101,7 @@ def test_simulated_sets_hand_checked():
     item = np.array([7, 5, 6, 7, 9, 8, 3, 4], np.int64)      # user 1: item 7 from two seeds (2 + 1 = 3)
     count = np.array([2, 3, 4, 1, 1, 5, 1, 1], np.int64)
     popular = np.array([9, 4, 30, 31, 32], np.int64)           # ranks 0..4
-    u, i, tier, n = pc.simulated_sets(np.array([3, 1, 2, 1]), user, item, count, popular, n_candidates=5,
+    u, i, tier, n = simulator.simulated_sets(np.array([3, 1, 2, 1]), user, item, count, popular, n_candidates=5,
                                       n_popular=3)
     got = sorted(zip(u.tolist(), i.tolist(), tier.tolist(), n.tolist()))
     assert got == sorted([
@@ -110,11 +111,11 @@ def test_simulated_sets_hand_checked():
         (2, 9, 1, 0), (2, 4, 1, 1), (2, 30, 1, 2),
         (3, 9, 1, 0), (3, 4, 1, 1), (3, 30, 1, 2), (3, 31, 1, 3), (3, 32, 1, 4)])  # no seeds: popular only
     # Fewer co-visited items leave more room: user 2 with n_popular 2 keeps 8, 3, 4, and popular 4 is skipped.
-    u, i, tier, n = pc.simulated_sets(np.array([2]), user[5:], item[5:], count[5:], popular, 5, 2)
+    u, i, tier, n = simulator.simulated_sets(np.array([2]), user[5:], item[5:], count[5:], popular, 5, 2)
     assert sorted(zip(i.tolist(), tier.tolist())) == [(3, 0), (4, 0), (8, 0), (9, 1), (30, 1)]
     # No co-visit rows and no popular items: nothing, without an error.
     empty = np.array([], np.int64)
-    assert all(len(x) == 0 for x in pc.simulated_sets(np.array([1]), empty, empty, empty, empty, 5, 2))
+    assert all(len(x) == 0 for x in simulator.simulated_sets(np.array([1]), empty, empty, empty, empty, 5, 2))
 
 
 def test_selection_exclusion_and_misses_hand_checked(spark):
@@ -123,25 +124,25 @@ def test_selection_exclusion_and_misses_hand_checked(spark):
         "item_id": [10, 11, 12, 13, 14, 10, 15],
         "vm_score": np.array([0.9, 0.8, 0.1, 0.5, 0.2, 0.3, 0.7], np.float32),
         "source": "covisit"}))
-    sel = pc.select_pairs(scored, 0.4, "user", 0.5).toPandas().set_index(["user_id", "item_id"])
+    sel = selection.select_pairs(scored, 0.4, "user", 0.5).toPandas().set_index(["user_id", "item_id"])
     # User 1: 5 candidates -> ceil(0.4 * 5) = 2 selected (0.9, 0.8); bottom floor(0.5 * 5) = 2 (0.2, 0.1).
     assert sorted(sel.index[sel["selected"]]) == [(1, 10), (1, 11), (2, 15)]
     assert sorted(sel.index[sel["bottom"]]) == [(1, 12), (1, 14), (2, 10)]
     # With 5 more candidates of user 1 excluded before scoring, the FM budget stays ceil(0.4 * 10) = 4.
     considered = spark.createDataFrame(pd.DataFrame({"user_id": [1], "n_considered": [10]}))
-    budget = pc.select_pairs(scored, 0.4, "user", 0.5, considered).toPandas()
+    budget = selection.select_pairs(scored, 0.4, "user", 0.5, considered).toPandas()
     assert sorted(budget.loc[budget["selected"], "item_id"].tolist()) == [10, 11, 13, 14, 15]
-    glob = pc.select_pairs(scored, 0.3, "global", 0.5).toPandas()
+    glob = selection.select_pairs(scored, 0.3, "global", 0.5).toPandas()
     assert sorted(glob.loc[glob["selected"], "item_id"]) == [10, 11, 15]        # top 30% of 7 scores
     t1, t2 = dt.datetime(2026, 1, 1, 1), dt.datetime(2026, 1, 1, 2)
     bottoms = spark.createDataFrame(pd.DataFrame({"run": [t1, t2, t2, t1], "user_id": [1, 1, 1, 2],
                                                   "item_id": [12, 12, 14, 10]}))
-    kept, excluded = pc.exclude_negatives(scored.drop("vm_score"), bottoms, runs=2)
+    kept, excluded = selection.exclude_negatives(scored.drop("vm_score"), bottoms, runs=2)
     # Only (1, 12) was in the bottom share in both of the last two runs.
     assert sorted(map(tuple, excluded.toPandas().to_numpy())) == [(1, 12)]
     assert kept.count() == 6
     misses = spark.createDataFrame(pd.DataFrame({"user_id": [1, 3], "item_id": [13, 99]}))
-    forced = pc.force_misses(pc.select_pairs(scored, 0.4, "user", 0.5), misses).toPandas()
+    forced = selection.force_misses(selection.select_pairs(scored, 0.4, "user", 0.5), misses).toPandas()
     forced = forced.set_index(["user_id", "item_id"])
     assert forced.loc[(1, 13), "selected"] and forced.loc[(1, 13), "source"] == "miss"
     assert forced.loc[(3, 99), "selected"] and len(forced) == 8
@@ -153,7 +154,7 @@ def test_bad_event_rows_are_set_aside_with_a_reason(spark):
         "user_id": [1, None, 3, 4, -5], "item_id": [1, 2, None, 4, 5],
         "event_timestamp": [t, t, t, t, t], "label": [1, 0, 1, 7, None]}),
         "user_id long, item_id long, event_timestamp timestamp, label int")
-    good, bad = pc.split_bad_events(df)
+    good, bad = windows.split_bad_events(df)
     assert good.toPandas()["user_id"].tolist() == [1]
     reasons = dict(bad.toPandas()[["user_id", "reason"]].fillna(0).astype({"user_id": int}).to_numpy().tolist())
     assert reasons == {0: "user_id is null or <= 0", 3: "item_id is null or <= 0",
@@ -185,7 +186,7 @@ def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_roo
     # Batches of about 20 pairs: users share a batch, and a batch goes over 20 rather than split a user.
     import shutil
     sizes = got.groupby("user_id").size().to_numpy()
-    cuts = pc.user_batches(sizes, 20)
+    cuts = inference.user_batches(sizes, 20)
     assert len(cuts) < len(sizes) and any(sizes[c].sum() > 20 for c in cuts)
     small = replace(job, offline=str(tmp_path / "offline"), precompute=replace(job.precompute, batch_size=20))
     shutil.copytree(job.offline, small.offline)
@@ -240,10 +241,10 @@ def test_rerun_of_an_interval_gives_identical_outputs(spark, ml_run, movielens_r
     assert state["items"] == len(before["item_counters"]) > 0
     assert off.read_stats(job.offline, "pair_embeddings", ML_END)["state_from"] == "select"
     assert off.read_stats(job.offline, "neighbours", ML_END)["histories_reused"]
-    for d in jobs.STATE:
+    for d in interval_state.STATE:
         shutil.rmtree(off.interval_uri(job.offline, d, ML_END))
     assert jobs.embed(spark, job, ML_START, ML_END)["state_from"] == "log"
-    for d in ("pair_embeddings", *jobs.STATE):
+    for d in ("pair_embeddings", *interval_state.STATE):
         assert_same_frames(before[d], read_sorted(job.offline, d, ML_END), d)
     shutil.rmtree(off.interval_uri(job.offline, "user_histories", ML_END))
     assert not jobs.neighbours(spark, job, ML_START, ML_END)["histories_reused"]
@@ -272,13 +273,13 @@ def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):
         "embedding": [np.array(r[2], np.float32) for r in rows],
         "event_timestamp": [T - dt.timedelta(hours=r[3]) for r in rows], "model_version": [r[4] for r in rows]}),
         "user_id long, item_id long, embedding array<float>, event_timestamp timestamp, model_version string")
-    got = pc.user_aggregates(df, pd.Timestamp(T, tz="UTC"), 24, "v1").toPandas().set_index("user_id")
+    got = aggregates.user_aggregates(df, pd.Timestamp(T, tz="UTC"), 24, "v1").toPandas().set_index("user_id")
     assert got.loc[1, "embedding"].tolist() == [1.5, 1.0] and got.loc[1, "n_pairs"] == 2
     assert got.loc[2, "embedding"].tolist() == [1.0, 1.0]
 
 
 def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root, synth_models, tmp_path):
-    cfg = pc.PrecomputeConfig(history_len=10, exclusion_runs=2, exclusion_share=0.5, active_hours=48,
+    cfg = PrecomputeConfig(history_len=10, exclusion_runs=2, exclusion_share=0.5, active_hours=48,
                               simulator=SimulatorConfig(n_candidates=30, n_popular=10))
     offline = str(tmp_path / "off")
     start = pd.Timestamp("2026-01-06T00:00:00Z")
@@ -353,15 +354,15 @@ def test_embed_sets_non_finite_fm_outputs_aside_with_a_count(spark, ml_run, movi
     with torch.inference_mode():
         finite = torch.isfinite(fm(batch_to_tensors(ex.batch(np.arange(n))))["h"]).all(1).numpy()
     assert 0 < (~finite).sum() < n
-    assert stats["rejected"] == {pc.NONFINITE_REASONS[0]: int((~finite).sum())} and stats["pairs"] == finite.sum()
+    assert stats["rejected"] == {inference.NONFINITE_REASONS[0]: int((~finite).sum())} and stats["pairs"] == finite.sum()
     rejected = off.read_table(offline, "embedding_rejects", ML_END).to_pandas()
     assert sorted(map(tuple, rejected[["user_id", "item_id"]].to_numpy())) == \
         sorted(map(tuple, pairs.loc[~finite].to_numpy()))
-    assert set(rejected["reason"]) == {pc.NONFINITE_REASONS[0]}
+    assert set(rejected["reason"]) == {inference.NONFINITE_REASONS[0]}
     emb = off.read_table(offline, "pair_embeddings", ML_END).to_pandas()
     assert len(emb) == finite.sum() and np.isfinite(np.stack(emb["embedding"])).all()
     # The per-row reason: the first model whose output is not finite.
-    assert pc._nonfinite(np.array([True, False, True]), np.array([True, False, False])).tolist() == [-1, 0, 1]
+    assert inference._nonfinite(np.array([True, False, True]), np.array([True, False, False])).tolist() == [-1, 0, 1]
 
 
 def test_models_are_resolved_once_and_an_interval_keeps_its_version(spark, ml_run, tmp_path):
@@ -469,7 +470,7 @@ def test_merge_histories_hand_checked(spark):
                                               "label": [1, None, 0], "rating": [None, 3.0, None]}),
                                 "user_id long, item_id long, event_timestamp timestamp, label int, rating float")
     got = {r["user_id"]: (r["hist_ts"], r["hist_item"], r["hist_label"], r["hist_rating"])
-           for r in pc.merge_histories(prev, new, 3, since=pd.Timestamp(6, unit="us", tz="UTC")).collect()}
+           for r in history.merge_histories(prev, new, 3, since=pd.Timestamp(6, unit="us", tz="UTC")).collect()}
     assert got == {1: ([30, 40, 50], [3, 4, 5], [-1, 1, -1], [0, 0, 3]),    # the oldest two made room for the new
                    2: ([6], [8], [0], [0]),                                  # ts 5 left the lookback
                    4: ([41], [6], [0], [0])}                                 # user 3's only event left: no row
@@ -503,29 +504,29 @@ def test_covisit_counts_and_seeds_updated_with_new_and_leaving_events_equal_a_re
     def frame(df):
         return df.toPandas().sort_values(["seed", "item_id"]).reset_index(drop=True)
     w, L = 3, 12
-    hist = pc.user_histories(between("a", "P"), L).cache()
+    hist = history.user_histories(between("a", "P"), L).cache()
     sizes = hist.select(F.col("hist_ts")[0].alias("o")).toPandas()["o"]
     b_us = at["b"].value // 1000
     assert (sizes < b_us).sum() > 5 and (sizes >= b_us).sum() > 5        # both kinds of leaving users
-    added = pc.covisit_added(pc.history_events(hist, w, at["b"]), between("P", "T"), w)
-    after = jobs._after_leaving(spark, jobs.event_source(ev_), hist, between("a", "b"), at["b"], at["P"], w)
-    gone = pc.covisit_gone(between("a", "b"), after, w)
-    got = pc.merge_covisit(pc.covisit_counts(between("a", "P"), w), added, gone)
-    want = pc.covisit_counts(between("b", "T"), w)
+    added = simulator.covisit_added(simulator.history_events(hist, w, at["b"]), between("P", "T"), w)
+    after = interval_state.after_leaving(spark, event_source(ev_), hist, between("a", "b"), at["b"], at["P"], w)
+    gone = simulator.covisit_gone(between("a", "b"), after, w)
+    got = simulator.merge_covisit(simulator.covisit_counts(between("a", "P"), w), added, gone)
+    want = simulator.covisit_counts(between("b", "T"), w)
     assert_same_frames(frame(want), frame(got), "covisit counts")
     assert frame(gone)["count"].sum() > 0 and frame(added)["count"].sum() > 0
     # Each user's 4 latest items: those at P still in the lookback and the new events' (an item's latest time).
-    seeds = [pc.merge_seeds(pc.user_seeds(between("a", "P"), 4), between("P", "T"), 4, at["b"]),
-             pc.user_seeds(between("b", "T"), 4)]
+    seeds = [simulator.merge_seeds(simulator.user_seeds(between("a", "P"), 4), between("P", "T"), 4, at["b"]),
+             simulator.user_seeds(between("b", "T"), 4)]
     got_seeds, want_seeds = (x.toPandas().sort_values(["user_id", "seed"]).reset_index(drop=True) for x in seeds)
     assert_same_frames(want_seeds, got_seeds, "seeds")
     assert want_seeds.groupby("user_id").size().max() == 4
-    assert len(pc.user_seeds(between("a", "P"), 4).where(F.col("ts") < b_us).toPandas()) > 0   # some leave
+    assert len(simulator.user_seeds(between("a", "P"), 4).where(F.col("ts") < b_us).toPandas()) > 0   # some leave
     # The popular items from the last popularity_hours' events and the item counters of the lookback, as from the
     # lookback's events: a 1-second window, so that the lookback's counts order the last of the 20.
     sim = SimulatorConfig(n_candidates=20, n_popular=10, popularity_hours=1 / 3600)
-    totals = pc.counters(between("b", "T"))[1].select("item_id", F.col("item_cnt").alias("count"))
-    pop = [pc.popular_items(between("P", "T"), at["T"], sim, totals), pc.popular_items(between("b", "T"), at["T"], sim)]
+    totals = history.counters(between("b", "T"))[1].select("item_id", F.col("item_cnt").alias("count"))
+    pop = [simulator.popular_items(between("P", "T"), at["T"], sim, totals), simulator.popular_items(between("b", "T"), at["T"], sim)]
     got_pop, want_pop = (x.toPandas().sort_values("rank").reset_index(drop=True) for x in pop)
     assert_same_frames(want_pop, got_pop, "popular")
     assert len(want_pop) == 20
@@ -534,7 +535,7 @@ def test_covisit_counts_and_seeds_updated_with_new_and_leaving_events_equal_a_re
     # The top items per seed: ties in count go to the smaller item id.
     ranked = frame(want).sort_values(["seed", "count", "item_id"], ascending=[True, False, True])
     assert_same_frames(ranked.groupby("seed").head(2).sort_values(["seed", "item_id"]).reset_index(drop=True),
-                       frame(pc.covisit_top(want, 2)), "top 2")
+                       frame(simulator.covisit_top(want, 2)), "top 2")
 
 
 def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(spark, synth_root, synth_models,
@@ -545,13 +546,13 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     gap, and when the log's files of the state's hours changed (a late event)."""
     data = tmp_path / "data"
     shutil.copytree(synth_root, data)
-    cfg = pc.PrecomputeConfig(history_len=10, lookback_days=1.5, exclusion_runs=0, active_hours=6,
+    cfg = PrecomputeConfig(history_len=10, lookback_days=1.5, exclusion_runs=0, active_hours=6,
                               state_rebuild_hours=3, state_keep_hours=1,
                               simulator=SimulatorConfig(n_candidates=20, n_popular=5))
     inc = Settings(data=str(data), offline=str(tmp_path / "inc"), models=str(synth_models), precompute=cfg)
     ref = replace(inc, offline=str(tmp_path / "ref"), precompute=replace(cfg, state_rebuild_hours=0))
     table = ev.read_events(data)
-    memory, log = jobs.event_source(table), jobs.event_source(str(data))
+    memory, log = event_source(table), event_source(str(data))
     start = pd.Timestamp("2026-01-07T00:00:00Z")         # the log's third day: the lookback's first hours leave
     lookback = pd.Timedelta(days=1.5)
     built = []
@@ -562,14 +563,14 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
         if h in (1, 2):
             # The reference: a full rebuild from the whole lookback's events, read once into memory.
             assert jobs.select(spark, ref, T - pd.Timedelta(hours=1), T, events=memory)["state"]["built"] == "full"
-            for d in ("selection", *jobs.STATE, *jobs.SIMULATOR):
+            for d in ("selection", *interval_state.STATE, *interval_state.SIMULATOR):
                 assert_same_frames(read_sorted(ref.offline, d, T), read_sorted(inc.offline, d, T), f"{d} {h}")
             assert ev.read_events(data, T - lookback - pd.Timedelta(hours=1), T - lookback).num_rows > 0  # left
     # Updated twice in a row, then rebuilt: the last full rebuild was 3 h before. Each select removed the state
     # that ended more than state_keep_hours (1) before its own, once there was some; the updates did not need it.
     assert built == [("full", "full", 0), ("incremental", "incremental", 0), ("incremental", "incremental", 1),
                      ("full", "full", 1)]
-    for d in (*jobs.STATE, *jobs.SIMULATOR):
+    for d in (*interval_state.STATE, *interval_state.SIMULATOR):
         assert off.list_intervals(inc.offline, d) == [T - pd.Timedelta(hours=1), T], d
     # The evaluated configuration: the whole log as lookback (nothing leaves), a budget ranked by recency whose
     # recently ranked pairs fill it, so that only the last 24 h are read.
@@ -581,7 +582,7 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
         got = jobs.select(spark, whole_log[0], T2 - pd.Timedelta(hours=1), T2)
         assert got["state"]["built"] == ("full", "incremental")[h - 1] and got["simulator_skipped"]
     jobs.select(spark, whole_log[1], T2 - pd.Timedelta(hours=1), T2, events=memory)
-    for d in ("selection", *jobs.STATE):
+    for d in ("selection", *interval_state.STATE):
         assert_same_frames(read_sorted(whole_log[1].offline, d, T2), read_sorted(whole_log[0].offline, d, T2), d)
     # The verifier scored only the part of the pool the budget reaches; scoring the whole pool selects the same
     # pairs with the same priority ranks.
@@ -589,7 +590,7 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     assert got["pairs_scored"] + got["pairs_beyond_reach"] == got["pairs_considered"]
     assert sum(v["pool"] for v in got["by_source"].values()) == got["pairs_considered"]
     assert sum(v["selected"] for v in got["by_source"].values()) == got["pairs_selected"] == got["budget_pairs"]
-    monkeypatch.setattr(pc, "budget_reach", lambda pool, n: None)
+    monkeypatch.setattr(selection, "budget_reach", lambda pool, n: None)
     whole_pool = replace(whole_log[1], offline=whole_log[1].offline + "_pool")
     full = jobs.select(spark, whole_pool, T2 - pd.Timedelta(hours=1), T2, events=memory)
     assert full["pairs_scored"] == full["pairs_considered"] == got["pairs_considered"] and "budget_reach" in full
@@ -597,14 +598,17 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
               .reset_index(drop=True) for x in (whole_pool, whole_log[0])]
     assert_same_frames(picked[0], picked[1], "selected under the reach")
 
+    def state_run(settings, source, T, history_len=10):
+        return interval_state.StateRun(spark, settings, source, T, history_len, lambda df: df)
+
     def why_full(settings, source, T):
-        return jobs._state_base(settings, settings.precompute, source, T - pd.Timedelta(hours=1), T, 10)[1]
+        return interval_state.previous_state(state_run(settings, source, T), T - pd.Timedelta(hours=1)).rebuild_because
     nxt = T + pd.Timedelta(hours=1)
     assert why_full(inc, log, nxt) is None
 
     def why_sim(settings, T, history_len=10):
-        base = jobs._state_base(settings, settings.precompute, log, T - pd.Timedelta(hours=1), T, 10)[0]
-        return jobs._simulator_base(settings, settings.precompute, T, history_len, base)
+        base = interval_state.previous_state(state_run(settings, log, T), T - pd.Timedelta(hours=1)).previous
+        return interval_state.simulator_rebuild_reason(state_run(settings, log, T, history_len), base)
     # The request simulator's state is updated with the state, unless its settings or the history length do not
     # allow it, or the previous select skipped the simulator (and wrote none).
     assert why_sim(inc, nxt) is None
@@ -620,9 +624,9 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     # What leaves the lookback between two cutoffs: only what the earlier state held (a lookback shorter than the
     # interval: all of it, not the events since).
     hour, day = pd.Timedelta(hours=1), pd.Timedelta(days=1)
-    assert jobs._leaving(T, T + hour, 1.0) == (T - day, T - day + hour)
-    assert jobs._leaving(T, T + 3 * hour, 1 / 24) == (T - hour, T)
-    assert jobs._leaving(T, T + hour, None) is None
+    assert interval_state.leaving_hours(T, T + hour, 1.0) == (T - day, T - day + hour)
+    assert interval_state.leaving_hours(T, T + 3 * hour, 1 / 24) == (T - hour, T)
+    assert interval_state.leaving_hours(T, T + hour, None) is None
     # A gap: the last state does not end at the interval's start.
     assert "not at this interval's start" in why_full(inc, log, nxt + pd.Timedelta(hours=1))
     # A late event in an hour the state covers (a new file in an old hour folder): the next interval rebuilds.

@@ -1,10 +1,10 @@
 """Budget and cadence curves derived from one replay at the largest budget.
 
-A budgeted selection is one global ranking of the pool cut at ``ceil(budget x expected rows)`` (``precompute.
+A budgeted selection is one global ranking of the pool cut at ``ceil(budget x expected rows)`` (``selection.
 select_budget``); the pool, the ranking and every embedding do not depend on the budget. So the selection at a
 smaller budget is the larger one's top ``ceil(b x expected rows)`` pairs, and the replay at that budget follows
 from it exactly: keep those pair embeddings, recompute the user aggregates over them with the aggregate job
-itself (``jobs.aggregate``) and the neighbour embeddings from the same neighbour lists (``precompute.
+itself (``jobs.aggregate``) and the neighbour embeddings from the same neighbour lists (``aggregates.
 neighbour_embeddings``), then serve the same requests again through ``FeatureReader`` with the refreshes visible
 when the replay made them visible (``replay.serve_again``). A cadence of m x the replay's takes every m-th refresh
 with m times the budget (the refresh at T sees the same log and pool; its budget covers m intervals' rows). Misses
@@ -23,7 +23,7 @@ from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.learning import replay
 from solaris_jobs.pipeline import jobs
-from solaris_jobs.pipeline import precompute as pc
+from solaris_jobs.pipeline import aggregates
 from solaris_jobs.pipeline.model_refs import ModelSet
 
 
@@ -67,7 +67,7 @@ def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.Repl
         lists = off.read_interval(spark, s.offline, "neighbours", T).select("user_id", "neighbour_ids",
                                                                            "similarities")
         agg = off.read_interval(spark, derived.offline, "user_aggregates", T)
-        off.write_interval(pc.neighbour_embeddings(lists, agg, T, models.embedding_version), derived.offline,
+        off.write_interval(aggregates.neighbour_embeddings(lists, agg, T, models.embedding_version), derived.offline,
                            "neighbours", T, {"interval_end": T.isoformat(), "derived_from": s.offline})
         visible.append((T, pd.Timestamp(r["visible_at"])))
     dplan = replay.ReplayPlan(plan.start, plan.end, period, plan.delay, plan.ttls)

@@ -19,7 +19,8 @@ from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.pipeline import jobs
 from solaris_jobs.pipeline.event_source import event_source
-from solaris_jobs.pipeline.jobs import SPARK_STEPS, interval, wall_clock
+from solaris_jobs.pipeline.jobs import SPARK_STEPS
+from solaris_jobs.pipeline.step_common import interval, wall_clock
 
 logger = logging.getLogger(__name__)
 
