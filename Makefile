@@ -2,11 +2,26 @@
 #   make demo   the main job (MovieLens-100K, embedded defaults)
 #   make test   the whole test suite (installs redis-server, Java 17, chromium and its driver if missing, and the
 #               S3 test server)
-# A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change.
+# A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change, or TORCH.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# PyTorch's build (requirements.txt pins torch==2.13.0, which both meet; README "Install"):
+#   TORCH=cpu   (default) 2.13.0+cpu, from PyTorch's CPU wheel index (TORCH_CPU_INDEX), or with no index added when
+#               pip's own configuration already offers that wheel (a find-links folder, as on the project's machines:
+#               checked with --no-index first, so an index this machine cannot reach is never asked)
+#   TORCH=cuda  PyPI's build for CUDA 13 and the nvidia-* libraries it pulls, pinned by requirements-cuda.txt
+TORCH ?= cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+ifeq ($(TORCH),cpu)
+TORCH_ARGS = torch==2.13.0+cpu $$($(BIN)/pip install --quiet --dry-run --no-deps --no-index torch==2.13.0+cpu \
+	>/dev/null 2>&1 || echo --extra-index-url $(TORCH_CPU_INDEX))
+else ifeq ($(TORCH),cuda)
+TORCH_ARGS = -c requirements-cuda.txt
+else
+$(error TORCH=$(TORCH): use TORCH=cpu or TORCH=cuda)
+endif
+STAMP := $(VENV)/.installed-$(TORCH)
 # The tests' S3-API server (moto) lives in its own venv: see requirements-s3.txt.
 S3VENV := .venv-s3
 S3STAMP := $(S3VENV)/.installed
@@ -24,14 +39,15 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-cuda.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.txt $(TORCH_ARGS)
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	$(BIN)/pip check
+	rm -f $(VENV)/.installed*
 	touch $@
 
-$(S3STAMP): requirements-s3.txt
+$(S3STAMP): requirements-s3.txt requirements.txt
 	test -x $(S3VENV)/bin/python || $(PYTHON) -m venv $(S3VENV)
 	$(S3VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-s3.txt
 	$(S3VENV)/bin/pip check

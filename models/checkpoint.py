@@ -18,7 +18,7 @@ from models.autoencoder import AEConfig, Autoencoder
 from models.fm import FMConfig, FoundationModel
 from models.vm import VMConfig, VerticalModel
 
-FORMAT = 1          # bump when what a checkpoint holds changes; 0: written before the format was recorded
+FORMAT = 1          # bump when what a checkpoint holds changes; only this format is read
 
 
 class CheckpointError(ValueError):
@@ -70,7 +70,7 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", kind: str | Non
     Raises:
         FileNotFoundError: no such file.
         CheckpointError: (a ValueError) the file is not a readable checkpoint (corrupt, truncated, holds code), was
-            written in a newer format or by a code version whose model config differs, or holds another kind of
+            written in another format or by a code version whose model config differs, or holds another kind of
             model than ``kind``.
     """
     if not Path(path).is_file():
@@ -82,10 +82,13 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", kind: str | Non
         raise CheckpointError(f"{path}: not a readable SOLARIS checkpoint ({first[:200]})") from e
     if not isinstance(state, dict) or "kind" not in state or "state_dict" not in state:
         raise CheckpointError(f"{path}: not a SOLARIS checkpoint (no kind and state_dict)")
-    fmt = state.get("format", 0)
-    if not isinstance(fmt, int) or fmt > FORMAT:
+    fmt = state.get("format")
+    if isinstance(fmt, int) and fmt > FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {fmt!r} is newer than this code reads ({FORMAT}); "
                               "upgrade SOLARIS or retrain with this version")
+    if fmt != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {fmt!r} is not the one this code reads ({FORMAT}); "
+                              "retrain with this version")
     if state["kind"] not in KINDS:
         raise CheckpointError(f"{path}: unknown model kind {state['kind']!r} (expected one of {sorted(KINDS)})")
     if kind is not None and state["kind"] != kind:

@@ -1,17 +1,14 @@
 """The library's layers: a layer imports only the layers below it (every import, also those inside functions), none
 imports its entry points (DAGs, Spark scripts, the CLI), no module-level import cycles, the serving hot path loads
-no torch, and the flat layout's module paths still work."""
+no torch, the CLI module runs, and the module paths the README names are real."""
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-import solaris_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,11 +101,6 @@ def violations(root: Path) -> list[str]:
                                                  and module != "solaris_jobs.flows.cli"):
                 found.append(f"{path.relative_to(root)}:{line}: library module imports the entry point {target}")
                 continue
-            old = target.split(".")[1] if target.startswith("solaris_jobs.") else None
-            if old in solaris_jobs.MOVED:
-                found.append(f"{path.relative_to(root)}:{line}: library module imports the flat path {target} "
-                             f"(use solaris_jobs.{solaris_jobs.MOVED[old]})")
-                continue
             theirs = layer_of(target)
             if theirs is None or theirs == mine or theirs == "root":
                 continue
@@ -154,7 +146,7 @@ def test_layers_import_only_downwards_and_without_cycles():
 def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
     for f, text in {"solaris_jobs/__init__.py": "", "solaris_jobs/core/__init__.py": "",
                     "solaris_jobs/core/a.py": "def f():\n    from solaris_jobs.online import reader\n",
-                    "solaris_jobs/core/b.py": "from solaris_jobs.core import c\nfrom solaris_jobs.jobs import run\n",
+                    "solaris_jobs/core/b.py": "from solaris_jobs.core import c\n",
                     "solaris_jobs/core/c.py": "from . import b\n",
                     "solaris_jobs/online/__init__.py": "", "solaris_jobs/online/reader.py": "import models.vm\n",
                     "solaris_jobs/online/ranker.py": "import models.vm\n",
@@ -165,8 +157,6 @@ def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
         (tmp_path / f).write_text(text)
     assert violations(tmp_path) == [
         "solaris_jobs/core/a.py:2: layer core imports solaris_jobs.online.reader (layer online)",
-        "solaris_jobs/core/b.py:2: library module imports the flat path solaris_jobs.jobs.run "
-        "(use solaris_jobs.pipeline.jobs)",
         "solaris_jobs/flows/demo.py:1: library module imports the entry point solaris_jobs.flows.cli",
         "solaris_jobs/online/reader.py:1: layer online imports models.vm (layer models)"]
     assert cycles(tmp_path) == [["solaris_jobs.core.b", "solaris_jobs.core.c", "solaris_jobs.core.b"]]
@@ -179,33 +169,36 @@ def test_the_serving_hot_path_loads_no_torch_spark_or_feast():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("old", sorted(solaris_jobs.MOVED))
-def test_the_flat_layouts_paths_are_the_same_modules(old):
-    new = importlib.import_module(f"solaris_jobs.{solaris_jobs.MOVED[old]}")
-    assert importlib.import_module(f"solaris_jobs.{old}") is new
-    assert new.__spec__.name == new.__name__ == f"solaris_jobs.{solaris_jobs.MOVED[old]}"     # reload still works
-    assert not (ROOT / "solaris_jobs" / f"{old}.py").exists()
-
-
-def test_the_old_module_path_still_runs_and_the_checkout_is_found():
+def test_the_cli_module_runs_and_the_checkout_is_found():
     from solaris_jobs.core.settings import PROJECT_ROOT
     from solaris_jobs.dev.airflow_local import DAGS
     assert PROJECT_ROOT == ROOT and (DAGS / "solaris_refresh.py").exists()
-    out = subprocess.run([sys.executable, "-m", "solaris_jobs.cli", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "solaris_jobs.flows.cli", "--help"], capture_output=True, text=True,
                          check=True, cwd=ROOT)
-    assert "Usage: python -m solaris_jobs.cli" in out.stdout and "evaluate" in out.stdout
+    assert "Usage: python -m solaris_jobs.flows.cli" in out.stdout and "evaluate" in out.stdout
 
 
-def test_readme_import_paths_work():
-    from solaris_jobs import store_config
-    assert store_config.__name__ == "solaris_jobs.online.store_config"
-    from solaris_jobs.candidates import RequestSimulator
-    from solaris_jobs.offline import read_interval, read_table
-    from solaris_jobs.ranker import Ranker
-    from solaris_jobs.serving import FeatureReader
-    from solaris_jobs.settings import Settings
-    from solaris_jobs.store_config import load
-    assert {RequestSimulator.__module__, read_table.__module__, read_interval.__module__, Ranker.__module__,
-            FeatureReader.__module__, Settings.__module__, load.__module__} == {
-        "solaris_jobs.data.requests", "solaris_jobs.core.offline", "solaris_jobs.online.ranker",
-        "solaris_jobs.online.reader", "solaris_jobs.core.settings", "solaris_jobs.online.store_config"}
+def resolves(dotted: str) -> bool:
+    """Whether ``a.b.c`` names a module, or a name reached from the longest importable module prefix of it."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_the_readmes_module_paths_are_real():
+    text = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"solaris_jobs(?:\.[A-Za-z_]\w*)+", text))
+    for module, names in re.findall(r"from (solaris_jobs[\w.]*) import ([\w, ]+)", text):
+        named |= {f"{module}.{n.strip()}" for n in names.split(",")}
+    assert {"solaris_jobs.online.reader.FeatureReader", "solaris_jobs.online.store_config"} <= named
+    assert [p for p in sorted(named) if not resolves(p)] == []
+    assert not resolves("solaris_jobs.serving") and not resolves("solaris_jobs.online.reader.NoSuchName")

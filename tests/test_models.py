@@ -92,6 +92,8 @@ def test_bad_checkpoints_give_a_clear_error_and_run_no_code(tmp_path):
         bad("truncated.pt", raw=good.read_bytes()[:1000]): r"truncated\.pt: not a readable SOLARIS checkpoint",
         bad("text.pt", raw=b"not a checkpoint"): r"text\.pt: not a readable SOLARIS checkpoint",
         bad("newer.pt", {**state, "format": FORMAT + 1}): rf"newer\.pt: checkpoint format {FORMAT + 1} is newer",
+        bad("unversioned.pt", {k: v for k, v in state.items() if k != "format"}):
+            rf"unversioned\.pt: checkpoint format None is not the one this code reads \({FORMAT}\)",
         bad("fields.pt", {**state, "config": {**state["config"], "n_experts": 4}}):
             r"fields\.pt: fm config fields \['n_experts'\] are unknown to this code version",
         bad("shape.pt", {**state, "config": {**state["config"], "d_model": state["config"]["d_model"] * 2}}):

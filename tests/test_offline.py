@@ -1,5 +1,5 @@
 """The offline store's layout: atomic publication (a writer killed between its data and its publish leaves the
-old output whole), readers that follow the pointer, outputs of earlier versions, file:// URIs."""
+old output whole), readers that follow the pointer to a complete run, file:// URIs."""
 import json
 import os
 import shutil
@@ -126,18 +126,18 @@ def test_publish_checks_its_data_and_readers_check_the_run(tmp_path, monkeypatch
     assert not off.is_complete(offline, "selection", END) and off.list_intervals(offline, "selection") == []
 
 
-def test_layout_reads_earlier_outputs_and_file_uris(tmp_path):
-    # An output as earlier versions wrote it: parquet and _SUCCESS directly in end=..., no _PUBLISHED.
-    legacy = Path(off.interval_uri(tmp_path, "neighbours", END))
-    legacy.mkdir(parents=True)
-    pd.DataFrame({"user_id": [1, 2]}).to_parquet(legacy / "part-0.parquet")
-    assert not off.is_complete(tmp_path, "neighbours", END)          # no _SUCCESS: not complete
-    (legacy / "_SUCCESS").touch()
+def test_layout_needs_a_complete_run_and_reads_file_uris(tmp_path):
+    # A published run whose _SUCCESS is gone (a partial copy, a hand edit) is no output.
+    run = Path(off.write_interval(pa.table({"user_id": [1, 2]}), tmp_path, "neighbours", END))
     assert off.read_table(tmp_path, "neighbours", END).column("user_id").to_pylist() == [1, 2]
-    # Rewriting it moves it to the new layout and removes the old files.
+    (run / "_SUCCESS").unlink()
+    assert not off.is_complete(tmp_path, "neighbours", END)          # no _SUCCESS: not complete
+    with pytest.raises(FileNotFoundError, match="no complete neighbours output for the interval ending"):
+        off.read_table(tmp_path, "neighbours", END)
+    # Rewriting it publishes a whole new run and removes the incomplete one.
     off.write_interval(pa.table({"user_id": [3]}), tmp_path, "neighbours", END)
     assert off.read_table(tmp_path, "neighbours", END).column("user_id").to_pylist() == [3]
-    assert not list(legacy.glob("part-*")) and not (legacy / "_SUCCESS").exists()
+    assert not run.exists()
     # The same store through a file:// URI; an interval that was never written is a clear error.
     uri = f"file://{tmp_path}"
     assert off.list_intervals(uri, "neighbours") == [END]
@@ -208,8 +208,8 @@ def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read
     for d in ("selection", "pair_embeddings", "neighbours", "knn_index", "covisit_counts", "user_histories"):
         for e in ends:
             off.write_interval(pa.table({"user_id": [int(e.hour)] * 100}), tmp_path, d, e)
-    # Older than every interval: a dead writer's folder (no pointer, 7 h old), a live writer's (no pointer, just
-    # made: it stays), and an output of the layout before pointers (complete by its _SUCCESS).
+    # Older than every interval: a dead writer's folder (no pointer, 7 h old) and a live writer's (no pointer, just
+    # made: it stays).
     hour = pd.Timedelta(hours=1)
     for h, name in ((3, "run-dead"), (2, "run-live")):
         run = Path(off.interval_uri(tmp_path, "selection", END - h * hour)) / name
@@ -219,10 +219,6 @@ def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read
             then = time.time() - 7 * 3600
             for path in (run / "part-0.parquet", run, run.parent):
                 os.utime(path, (then, then))
-    legacy = Path(off.interval_uri(tmp_path, "selection", END - hour))
-    legacy.mkdir(parents=True)
-    pd.DataFrame({"user_id": [1]}).to_parquet(legacy / "part-0.parquet")
-    (legacy / "_SUCCESS").touch()
     cfg = PrecomputeConfig(exclusion_runs=3, aggregate_hours=24.0, knn_rebuild_hours=12.0, state_keep_hours=2.0)
 
     # A bound past every interval: each dataset keeps only what the next refresh reads back.
@@ -232,8 +228,8 @@ def test_prune_removes_old_intervals_pointers_first_and_keeps_what_the_jobs_read
     assert off.list_intervals(tmp_path, "pair_embeddings") == ends[-25:]             # the aggregate's 24 h
     assert off.list_intervals(tmp_path, "knn_index") == ends[-13:]                   # the index's 12 h
     assert off.list_intervals(tmp_path, "neighbours") == ends[-1:]                   # materialize's input
-    assert off.interval_ends(tmp_path, "selection") == [END - 2 * hour, *ends[-3:]]  # the dead and legacy ones went
-    assert got["selection"]["kept_for_jobs"] == 3 and len(got["selection"]["removed"]) == 29
+    assert off.interval_ends(tmp_path, "selection") == [END - 2 * hour, *ends[-3:]]  # the dead one went
+    assert got["selection"]["kept_for_jobs"] == 3 and len(got["selection"]["removed"]) == 28
     assert got["pair_embeddings"]["kept_for_jobs"] == 25 and got["neighbours"]["kept_for_jobs"] == 1
     assert got["selection"]["bytes"] > 27 * 100                                      # what the files held
     assert off.read_table(tmp_path, "selection", ends[-1]).num_rows == 100           # the kept ones read whole

@@ -60,17 +60,16 @@ def test_feast_byte_formats_match_feast():
 def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
     """Bad offline rows are counted per reason and never written; the good ones are served (SQLite, no Spark)."""
     end = pd.Timestamp("2026-01-05T01:00:00Z")
-    # Written by hand in the layout of earlier versions (no _PUBLISHED): still read, once _SUCCESS is there.
-    d = Path(layout.interval_uri(tmp_path / "offline", "pair_embeddings", end))
-    d.mkdir(parents=True)
+    # Staged, not yet published: no output to materialize; once published, read.
     good = [np.full(4, k, np.float32) for k in range(3)]
-    pd.DataFrame({"user_id": pd.array([1, 1, 1, None, 1, 1, 1], "Int64"), "item_id": [10, 11, 12, 13, 14, 15, 16],
-                  "embedding": [*good, good[0], None, np.ones(5, np.float32), np.array([1, np.nan, 0, 0], np.float32)],
-                  "event_timestamp": end, "model_version": "v1"}).to_parquet(d / "part-0.parquet")
+    staged = layout.stage_table(pd.DataFrame({
+        "user_id": pd.array([1, 1, 1, None, 1, 1, 1], "Int64"), "item_id": [10, 11, 12, 13, 14, 15, 16],
+        "embedding": [*good, good[0], None, np.ones(5, np.float32), np.array([1, np.nan, 0, 0], np.float32)],
+        "event_timestamp": end, "model_version": "v1"}), str(tmp_path / "offline"), "pair_embeddings", end)
     cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'o.db'}"))
     with pytest.raises(FileNotFoundError, match="no complete pair_embeddings output"):
         materialize(cfg, str(tmp_path / "offline"), end, ["pair_embeddings"], expire_from="write")
-    (d / "_SUCCESS").touch()
+    staged.publish()
     st = materialize(cfg, str(tmp_path / "offline"), end, ["pair_embeddings"], expire_from="write")["views"]
     assert st["pair_embeddings"]["rows"] == 7 and st["pair_embeddings"]["written"] == 3
     assert st["pair_embeddings"]["rejected"] == {"null user_id": 1, "no embedding": 1, "embedding width is not 4": 1,

@@ -19,8 +19,7 @@ that dies before its pointer leaves the old output in place (its unpublished fol
 of the interval once it is ``ORPHAN_AGE`` old, so that a concurrent writer's folder is never taken). A reader
 that resolved the old run while the new one was published may find its files gone: it fails, and reads again,
 never a mix. Nothing here goes through Spark's JVM (``spark._jvm``): a Spark Connect session works, and so do
-the steps outside Spark (pyarrow's file systems). Outputs written by earlier versions (``end=.../part-*.parquet``
-with ``_SUCCESS``, no pointer) are still read.
+the steps outside Spark (pyarrow's file systems).
 
 Datasets: ``rejects`` (the interval's bad event rows, with a ``reason``), ``selection``, the interval's state
 written by the selection (``user_histories``: every user's last events before T as the FM reads them;
@@ -189,7 +188,7 @@ def published(offline, dataset: str, end) -> str | None:
         run = join(folder, RUN + pointers[-1][1])
         # A pointer to a run that is gone (removed by hand, or by another writer) is no output, not an empty one.
         return run if _exists(fs, f"{filesystem(run)[1]}/_SUCCESS") else None
-    return folder if _exists(fs, f"{path}/_SUCCESS") else None         # written before pointers existed
+    return None
 
 
 def is_complete(offline, dataset: str, end) -> bool:
@@ -259,9 +258,6 @@ def remove_interval(offline, dataset: str, end, dry_run: bool = False) -> int:
         return size
     for _, _, path in _pointers(fs, folder):
         fs.delete_file(path)
-    for name in ("_SUCCESS", "_stats.json"):                 # the layout before pointers: complete by its _SUCCESS
-        if _exists(fs, f"{folder}/{name}"):
-            fs.delete_file(f"{folder}/{name}")
     if _exists(fs, folder):
         fs.delete_dir(folder)
     logger.info("removed %s (%d bytes)", interval_uri(offline, dataset, end), size)
@@ -334,8 +330,8 @@ ORPHAN_AGE = pd.Timedelta(hours=6)      # unpublished folders younger than this 
 
 
 def _clean(fs: pafs.FileSystem, folder: str, keep: str, superseded: set, staging: str, key: str) -> None:
-    """After a publish: removes the older pointers, the runs they named, files of the pre-pointer layout, and
-    unpublished runs and staging folders of this interval older than ``ORPHAN_AGE`` (left by killed writers)."""
+    """After a publish: removes the older pointers, the runs they named, and unpublished runs and staging folders
+    of this interval older than ``ORPHAN_AGE`` (left by killed writers)."""
     old = pd.Timestamp.now(tz="UTC") - ORPHAN_AGE
 
     def orphan(info) -> bool:
@@ -347,8 +343,7 @@ def _clean(fs: pafs.FileSystem, folder: str, keep: str, superseded: set, staging
         name = info.base_name
         if info.type == pafs.FileType.File:
             parts = name.split(".")
-            if (parts[0] == POINTER and len(parts) == 3 and parts[2] != keep) or name.startswith("part-") \
-                    or name in ("_SUCCESS", "_stats.json"):
+            if parts[0] == POINTER and len(parts) == 3 and parts[2] != keep:
                 doomed.append((info, False))
         elif name.startswith(RUN) and name != RUN + keep and (name[len(RUN):] in superseded or orphan(info)):
             doomed.append((info, True))

@@ -243,9 +243,7 @@ class FeatureReader:
         def triple(rec):
             if rec is None or EMBEDDING not in rec:
                 return None
-            ts = rec["_ts"]            # epoch seconds (Feast 0.67); ISO text from older writers
-            return rec[EMBEDDING], rec.get(MODEL_VERSION), (float(ts) if isinstance(ts, (int, float)) else
-                                                            pd.Timestamp(ts, tz="UTC").timestamp())
+            return rec[EMBEDDING], rec.get(MODEL_VERSION), float(rec["_ts"])     # epoch seconds (Feast 0.67)
 
         ukey = ff.entity_key({"user_id": user})
         pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),
