@@ -98,11 +98,6 @@ class Encoded:
             return [v[i] for i in s]
         return Encoded(self.keys[s], [pick(v) for v in self.values])
 
-    def value_list(self) -> list[bytes]:
-        """The values key by key (F per key), as separate bytes objects."""
-        cols = [[x.tobytes() for x in v] if isinstance(v, np.ndarray) else list(v) for v in self.values]
-        return [b for row in zip(*cols) for b in row]
-
     def value_block(self) -> bytes:
         """RESP bulk strings of the values, key by key (F per key)."""
         if all(isinstance(v, np.ndarray) for v in self.values):
