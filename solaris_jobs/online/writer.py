@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solaris_jobs.online import feast_format as ff
-from solaris_jobs.online.resp import bulk, bulk_records
+from solaris_jobs.online.resp import bulk, bulk_records, open_raw
 from solaris_jobs.online.views import View
 
 logger = logging.getLogger(__name__)
@@ -121,12 +121,10 @@ class RedisWriter:
     def __init__(self, client, batch: int = 2000, depth: int = 32):
         self.client, self.batch, self.depth = client, batch, depth
         self.sha = client.script_load(WRITE_SCRIPT)
-        # A connection of our own (redis-py does the TLS, AUTH and SELECT handshake), then raw pipelining on
-        # its socket. Every reply here is an integer, an array of integers or an error: one line each (or 3),
-        # checked in bulk (redis-py's per-reply Python costs ~6 us, more than Redis's own work).
-        self.conn = client.connection_pool.make_connection()
-        self.conn.connect()
-        self.sock = self.conn._sock
+        # Raw pipelining on a connection of our own (``open_raw``). Every reply here is an integer, an array of
+        # integers or an error: one line each (or 3), checked in bulk.
+        self.raw = open_raw(client)
+        self.sock = self.raw.sock
         self.buf = b""
         self.pending = 0
         self.kinds = collections.deque()
@@ -236,13 +234,13 @@ class RedisWriter:
 
     def abort(self) -> None:
         """Drops the connection (replies may be outstanding: it must not be reused)."""
-        if self.conn is not None:
-            self.conn.disconnect()
+        if self.raw is not None:
+            self.raw.close()
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.disconnect()
-            self.conn = self.sock = None
+        if self.raw is not None:
+            self.raw.close()
+            self.raw = self.sock = None
         self.client.close()
 
 
