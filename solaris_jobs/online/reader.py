@@ -106,6 +106,9 @@ class FeatureReader:
         budget_ms: the read's time budget (socket timeout); slower or failing reads give tier none.
         misses: ``auto`` (Redis stream for a Redis store, else parquet under ``misses_dir`` if given), None (off),
             or a sink object with ``write(records)`` and ``close()``.
+
+    ``close()`` (or leaving a ``with FeatureReader(...) as reader:`` block) closes every connection and flushes the
+    miss queue.
     """
 
     def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
@@ -360,6 +363,12 @@ class FeatureReader:
             states, self._states = self._states, []
         for own in states:
             own.drop()
+
+    def __enter__(self) -> "FeatureReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _Connections:
