@@ -52,3 +52,30 @@ def test_bad_input_is_a_clear_cli_error(tmp_path):
     assert res.exit_code == 1 and f"Error: {tmp_path}: no event log" in res.output
     res = CliRunner().invoke(main, ["data", "movielens", "--out", str(tmp_path / "o"), "--source", str(tmp_path)])
     assert res.exit_code == 1 and "u.data: file not found" in res.output
+
+
+def test_help_and_settings_come_from_the_settings(tmp_path, monkeypatch):
+    """Options that set a settings field are described by it; ``--settings`` (JSON or @file) is read by one loader;
+    training flags are validated as the training settings, the error naming the flag."""
+    from solaris_jobs.core import settings as st
+    from solaris_jobs.flows.cli import _load_settings
+    res = CliRunner().invoke(main, ["refresh", "--help"], terminal_width=2000)
+    assert res.exit_code == 0 and all(f.help in res.output for f in st.FLAGS)
+    res = CliRunner().invoke(main, ["train", "fm", "--help"], terminal_width=2000)
+    for field in ("epochs", "history_len", "max_train_rows", "d_interaction"):
+        assert st.describe(field, st.TrainSettings) in res.output, field
+    res = CliRunner().invoke(main, ["materialize", "--help"], terminal_width=2000)
+    assert st.describe("expire_from") in res.output and st.describe("feature_repo") in res.output
+
+    s = st.Settings(data="/d", offline=str(tmp_path / "off"), models="/m",
+                    precompute=st.PrecomputeConfig(aggregate_hours=48))
+    (tmp_path / "s.json").write_text(s.to_json())
+    assert _load_settings(f"@{tmp_path / 's.json'}") == s == _load_settings(s.to_json())
+    assert _load_settings(s.to_json(), offline="/elsewhere", feature_repo=None) == st.Settings(
+        **{**s.to_dict(), "offline": "/elsewhere", "precompute": s.precompute})
+    monkeypatch.setenv("SOLARIS_OFFLINE", "/from-env")
+    assert _load_settings().offline == "/from-env" and _load_settings(offline="/o").offline == "/o"
+
+    res = CliRunner().invoke(main, ["train", "vm", "--data", str(tmp_path), "--out", str(tmp_path / "x.pt"),
+                                    "--epochs", "0"])
+    assert res.exit_code == 1 and "--epochs (epochs): Input should be greater than or equal to 1" in res.output

@@ -453,6 +453,49 @@ def test_a_redis_error_in_the_last_reply_is_raised_at_once(redis_server):
 
 
 @pytest.mark.parametrize("kind", ["redis", "sqlite"])
+def test_writer_and_reader_as_context_managers_close_what_they_open(kind, redis_server, tmp_path):
+    """One writer interface for every store (``open_writer``, ``RowGroup``); leaving a ``with`` block closes the
+    writer's and the reader's connections, and an explicit ``close()`` after it still works."""
+    import sqlite3
+
+    from solaris_jobs.online.views import views
+    from solaris_jobs.online.writer import Encoded, OnlineWriter, RowGroup, open_writer
+    if kind == "redis":
+        cfg = store_config.StoreConfig("redis", "solaris", Path("."), Path("."),
+                                       nodes=(("127.0.0.1", redis_server.port),))
+    else:
+        cfg = store_config.StoreConfig("sqlite", "solaris", Path("."), Path("."), sqlite_path=tmp_path / "online.db")
+    view, t = views()["pair_embeddings"], pd.Timestamp.now(tz="UTC").floor("s")
+    emb, version = np.arange(8, dtype=np.float32).reshape(2, 4), ff.string_value("v1")
+    with open_writer(cfg) as w:
+        assert isinstance(w, OnlineWriter)
+        keys = ff.entity_keys({"user_id": np.array([7, 7]), "item_id": np.array([10, 11])}, w.key_suffix)
+        rows = Encoded(keys, [ff.float_lists(emb), np.frombuffer(version * 2, np.dtype((np.void, len(version))))])
+        w.write_group(RowGroup(view, rows, t, t + HOUR, t, shared=False, check_newer=False))
+        assert w.flush() == (2, 0)
+        w.mark_materialized(t.isoformat(), "{}")
+    if kind == "redis":
+        assert w.raw is None
+    else:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            w.conn.execute("SELECT 1")
+    w.close()
+    assert t in materialized_intervals(cfg)
+    with FeatureReader(cfg, "v1", 4, misses=None) as reader:
+        f = reader.read(7, [10, 11, 12], t + pd.Timedelta(minutes=1))
+        opened = reader._own.raw if kind == "redis" else reader._own.sqlite
+    assert f.tier_names() == ["pair", "pair", "none"]
+    np.testing.assert_array_equal(f.embeddings[:2], emb)
+    assert opened is not None and reader._states == []
+    if kind == "redis":
+        assert opened.sock.fileno() == -1                      # the raw socket is closed
+    else:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            opened.execute("SELECT 1")
+    reader.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
 def test_interval_lease_one_owner_at_a_time_renewed_released_and_expiring(kind, redis_server, tmp_path):
     """Two runs of one interval: the second is refused while the first holds the lease (and told who holds it),
     the holder renews it, only the holder releases it, and a lease nobody renews expires."""

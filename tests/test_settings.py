@@ -69,3 +69,28 @@ def test_one_module_names_the_runtime_variables_and_the_readme_lists_them_all():
     readme = set(NAME.findall((ROOT / "README.md").read_text()))
     assert st.all_env_names() <= readme, sorted(st.all_env_names() - readme)
     assert readme - {"SOLARIS_TTL_"} <= st.all_env_names(), sorted(readme - st.all_env_names())
+
+
+def test_training_settings_are_typed_with_their_defaults_and_errors_name_the_setting():
+    import dataclasses
+    assert dataclasses.asdict(st.train_settings({})) == {
+        "epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2, "d_interaction": 128,
+        "d_code": 32, "max_train_rows": None, "seed": 0, "served_hours": 24, "served_every": "1h"}
+    got = st.train_settings({"SOLARIS_TRAIN": '{"epochs": 1, "served_every": "30min", "served_hours": 12}'})
+    assert (got.epochs, got.served_every, got.served_hours, got.history_len) == (1, "30min", 12, 50)
+    for raw, message in [('{"epochs": 0}', r"SOLARIS_TRAIN \(epochs\): Input should be greater than or equal to 1"),
+                         ('{"max_train_rows": "many"}', r"SOLARIS_TRAIN \(max_train_rows\): Input should be a valid"),
+                         ('{"served_every": "soon"}', r"SOLARIS_TRAIN \(served_every\): Value error, not a duration"),
+                         ('{"lr": 1}', r"SOLARIS_TRAIN: unknown settings \['lr'\]; known: \['batch_size'"),
+                         ("[1]", "SOLARIS_TRAIN must be a JSON object"), ("{oops", "SOLARIS_TRAIN is not JSON")]:
+        with pytest.raises(ValueError, match=message):
+            st.train_settings({"SOLARIS_TRAIN": raw})
+
+
+def test_a_flags_help_is_its_settings_fields_description():
+    for flag in st.FLAGS:
+        assert flag.help == st.describe(flag.field) + flag.note and len(flag.help) > 15, flag.flag
+    for name in st.TrainSettings.__pydantic_fields__:
+        assert st.describe(name, st.TrainSettings)
+    with pytest.raises(KeyError, match="PrecomputeConfig.knn_hnsw_m has no description"):
+        st.describe("precompute.knn_hnsw_m")

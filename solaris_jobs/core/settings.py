@@ -125,6 +125,45 @@ class PrecomputeConfig:
     torch_threads: int = Field(1, ge=1)
 
 
+def _describe(cls, descriptions: dict[str, str]) -> None:
+    """Sets the description of ``cls``'s fields (what ``describe`` and the CLI's help read)."""
+    fields = cls.__pydantic_fields__
+    for name, text in descriptions.items():
+        fields[name].description = text
+
+
+# The precompute fields' descriptions, the CLI's help (beside the class: its field lines hold only type, default and
+# bounds).
+_describe(SimulatorConfig, {"n_candidates": "Request-simulator candidates per user"})
+_describe(PrecomputeConfig, {
+    "select_share": "Share of scored pairs sent to the FM.",
+    "select_scope": "user: top share of each user's candidates; global: top share of all pairs.",
+    "recent_hours": "Pairs ranked for the user in the last this many hours join the candidate pool (0: off).",
+    "budget_per_row": "One FM budget for the pool, misses included: this many FM inferences per row the log served "
+                      "per interval (default: the per-share selection).",
+    "select_priority": "The global ranking under a budget: verifier score, or recency of the pair's last ranking "
+                       "then verifier.",
+    "exclusion_runs": "K: skip pairs in their user's bottom share in each of the last K runs (0: off).",
+    "exclusion_share": "The bottom share for negative exclusion.",
+    "active_hours": "Users with an event in the last this many hours before T are expected soon.",
+    "lookback_days": "History, counters and co-visitation read this many days before T",
+    "batch_size": "Rows per model batch on executors.",
+    "user_batch_size": "Users per batch of the FM user embedding (neighbours).",
+    "history_len": "FM history length (default: the FM's; must match it).",
+    "knn_k": "Neighbours per user.",
+    "knn_exact_max": "Exact FAISS search up to this many users, HNSW above (recall measured and logged).",
+    "knn_requery": "all: embed and query every user each interval; active: only users with new events, against the "
+                   "last full interval's index.",
+    "knn_rebuild_hours": "With --knn-requery active: a full interval (everyone, new index) this often.",
+    "state_rebuild_hours": "The interval's state (histories, counters) is updated from the previous interval's, and "
+                           "rebuilt from the lookback this often (0: every interval).",
+    "state_keep_hours": "Select removes the state of intervals that end more than this many hours before its own (a "
+                        "rerun of one rebuilds it from the log).",
+    "aggregate_hours": "Window of the user aggregate.",
+    "miss_hours": "Serving misses recorded this many hours before T are forced into the selection.",
+    "device": "Torch device for the models (auto: CUDA when present).",
+})
+
 # ------------------------------------------------------------------------------------------------ refresh
 
 
@@ -150,14 +189,18 @@ class Settings:
         lease_minutes: how long a run's lease of its interval lasts unless a step renews it
             (``solaris_jobs.online.lease``); as long as a DAG run may last (its 6 h ``dagrun_timeout``).
     """
-    data: str = ""
-    offline: str = ""
-    models: str = ""
-    feature_repo: str | None = None
-    expire_from: Literal["event", "write"] = "event"
+    data: str = Field("", description="Data root with the event log.")
+    offline: str = Field("", description="Offline store root (outputs keyed by interval end; any URI the jobs "
+                                         "take).")
+    models: str = Field("", description="Folder with fm.pt, ae.pt, vm.pt (resolved once per run).")
+    feature_repo: str | None = Field(None, description="Feast repo (its feature_store.yaml, or "
+                                                       "$FEAST_FS_YAML_FILE_PATH, names the online store).")
+    expire_from: Literal["event", "write"] = Field("event", description="event: online keys expire at event time + "
+                                                   "view TTL; write: at write time + TTL (replays of old data).")
     max_bad_share: float = Field(0.05, ge=0, le=1)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
-    spark_master: str | None = None
+    spark_master: str | None = Field(None, description="Spark master (default: spark-submit's, or local[*]; "
+                                                       "sc://host:port for Spark Connect).")
     spark_driver_memory: str = "4g"
     spark_log_level: str = "WARN"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -289,69 +332,66 @@ def _validate(raw: dict, names: dict) -> Settings:
 @dataclass(frozen=True)
 class Flag:
     """A command-line flag of the job commands (``solaris select|...|refresh|backfill`` and ``spark_jobs/*.py``):
-    ``field`` is a Settings field or ``precompute.<field>``; ``candidates`` sets the simulator's size."""
+    ``field`` is a Settings field or ``precompute.<field>``; ``candidates`` sets the simulator's size. Its help is
+    the field's description (``describe``) and ``note``, what the flag's value means beyond the field's."""
     flag: str
     field: str
-    help: str
     type: str = "str"                       # str | int | float | choice
     choices: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def help(self) -> str:
+        return describe(self.field) + self.note
 
 
 FLAGS = (
-    Flag("--data", "data", "Data root with the event log."),
-    Flag("--offline", "offline", "Offline store root (outputs keyed by interval end; any URI the jobs take)."),
-    Flag("--models", "models", "Folder with fm.pt, ae.pt, vm.pt (resolved once per run)."),
-    Flag("--feature-repo", "feature_repo", "Feast repo (its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH, "
-                                           "names the online store)."),
-    Flag("--expire-from", "expire_from", "event: online keys expire at event time + view TTL; write: at write "
-                                         "time + TTL (replays of old data).", "choice", ("event", "write")),
-    Flag("--master", "spark_master", "Spark master (default: spark-submit's, or local[*]; sc://host:port for "
-                                     "Spark Connect)."),
-    Flag("--select-share", "precompute.select_share", "Share of scored pairs sent to the FM.", "float"),
-    Flag("--select-scope", "precompute.select_scope", "user: top share of each user's candidates; global: top "
-                                                      "share of all pairs.", "choice", ("user", "global")),
-    Flag("--recent-hours", "precompute.recent_hours", "Pairs ranked for the user in the last this many hours join "
-                                                      "the candidate pool (0: off).", "float"),
-    Flag("--budget-per-row", "precompute.budget_per_row", "One FM budget for the pool, misses included: this many "
-                                                          "FM inferences per row the log served per interval "
-                                                          "(default: the per-share selection).", "float"),
-    Flag("--select-priority", "precompute.select_priority", "The global ranking under a budget: verifier score, "
-                                                            "or recency of the pair's last ranking then verifier.",
-         "choice", ("verifier", "recency")),
-    Flag("--exclusion-runs", "precompute.exclusion_runs", "K: skip pairs in their user's bottom share in each of "
-                                                          "the last K runs (0: off).", "int"),
-    Flag("--exclusion-share", "precompute.exclusion_share", "The bottom share for negative exclusion.", "float"),
-    Flag("--active-hours", "precompute.active_hours", "Users with an event in the last this many hours before T "
-                                                      "are expected soon.", "float"),
-    Flag("--lookback-days", "precompute.lookback_days", "History, counters and co-visitation read this many days "
-                                                        "before T (0: all).", "float"),
-    Flag("--candidates", "precompute.simulator.n_candidates", "Request-simulator candidates per user (half of "
-                                                              "them popular).", "int"),
-    Flag("--batch-size", "precompute.batch_size", "Rows per model batch on executors.", "int"),
-    Flag("--user-batch-size", "precompute.user_batch_size", "Users per batch of the FM user embedding "
-                                                            "(neighbours).", "int"),
-    Flag("--history-len", "precompute.history_len", "FM history length (default: the FM's; must match it).",
-         "int"),
-    Flag("--knn-k", "precompute.knn_k", "Neighbours per user.", "int"),
-    Flag("--knn-exact-max", "precompute.knn_exact_max", "Exact FAISS search up to this many users, HNSW above "
-                                                        "(recall measured and logged).", "int"),
-    Flag("--knn-requery", "precompute.knn_requery", "all: embed and query every user each interval; active: "
-                                                    "only users with new events, against the last full interval's "
-                                                    "index.", "choice", ("all", "active")),
-    Flag("--knn-rebuild-hours", "precompute.knn_rebuild_hours", "With --knn-requery active: a full interval "
-                                                                "(everyone, new index) this often.", "float"),
-    Flag("--state-rebuild-hours", "precompute.state_rebuild_hours", "The interval's state (histories, counters) "
-                                                                    "is updated from the previous interval's, and "
-                                                                    "rebuilt from the lookback this often (0: "
-                                                                    "every interval).", "float"),
-    Flag("--state-keep-hours", "precompute.state_keep_hours", "Select removes the state of intervals that end "
-                                                              "more than this many hours before its own (a rerun "
-                                                              "of one rebuilds it from the log).", "float"),
-    Flag("--aggregate-hours", "precompute.aggregate_hours", "Window of the user aggregate.", "float"),
-    Flag("--miss-hours", "precompute.miss_hours", "Serving misses recorded this many hours before T are forced "
-                                                  "into the selection.", "float"),
-    Flag("--device", "precompute.device", "Torch device for the models (auto: CUDA when present).", "str"),
+    Flag("--data", "data"),
+    Flag("--offline", "offline"),
+    Flag("--models", "models"),
+    Flag("--feature-repo", "feature_repo"),
+    Flag("--expire-from", "expire_from", "choice", ("event", "write")),
+    Flag("--master", "spark_master"),
+    Flag("--select-share", "precompute.select_share", "float"),
+    Flag("--select-scope", "precompute.select_scope", "choice", ("user", "global")),
+    Flag("--recent-hours", "precompute.recent_hours", "float"),
+    Flag("--budget-per-row", "precompute.budget_per_row", "float"),
+    Flag("--select-priority", "precompute.select_priority", "choice", ("verifier", "recency")),
+    Flag("--exclusion-runs", "precompute.exclusion_runs", "int"),
+    Flag("--exclusion-share", "precompute.exclusion_share", "float"),
+    Flag("--active-hours", "precompute.active_hours", "float"),
+    Flag("--lookback-days", "precompute.lookback_days", "float", note=" (0: all)."),
+    Flag("--candidates", "precompute.simulator.n_candidates", "int", note=" (half of them popular)."),
+    Flag("--batch-size", "precompute.batch_size", "int"),
+    Flag("--user-batch-size", "precompute.user_batch_size", "int"),
+    Flag("--history-len", "precompute.history_len", "int"),
+    Flag("--knn-k", "precompute.knn_k", "int"),
+    Flag("--knn-exact-max", "precompute.knn_exact_max", "int"),
+    Flag("--knn-requery", "precompute.knn_requery", "choice", ("all", "active")),
+    Flag("--knn-rebuild-hours", "precompute.knn_rebuild_hours", "float"),
+    Flag("--state-rebuild-hours", "precompute.state_rebuild_hours", "float"),
+    Flag("--state-keep-hours", "precompute.state_keep_hours", "float"),
+    Flag("--aggregate-hours", "precompute.aggregate_hours", "float"),
+    Flag("--miss-hours", "precompute.miss_hours", "float"),
+    Flag("--device", "precompute.device", "str"),
 )
+
+
+def describe(field: str, cls=None) -> str:
+    """The description of a Settings field path (``precompute.select_share``), or of a field of ``cls`` (e.g.
+    ``TrainSettings``): what the CLI's help says of it.
+
+    Raises:
+        KeyError: the field has no description.
+    """
+    *path, name = field.split(".")
+    cls = cls or Settings
+    for part in path:
+        cls = type(getattr(cls(), part))
+    text = cls.__pydantic_fields__[name].description
+    if not text:
+        raise KeyError(f"{cls.__name__}.{name} has no description")
+    return text
 
 
 def default_of(field: str):
@@ -395,25 +435,69 @@ def env_log_level(env=None) -> str:
 
 # ------------------------------------------------------------------------------------------------ training
 
-TRAIN_DEFAULTS = {"epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2,
-                  "d_interaction": 128, "d_code": 32, "max_train_rows": None, "seed": 0,
-                  # The ranker's VM trains on what the store would serve the new models: a replay of the log's
-                  # last served_hours, refreshed every served_every (solaris_jobs.learning.replay).
-                  "served_hours": 24, "served_every": "1h"}
+@dataclass(frozen=True, config=_STRICT)
+class TrainSettings:
+    """The training DAG's settings (``SOLARIS_TRAIN`` JSON); ``solaris train`` takes the same fields as flags."""
+    epochs: int = Field(3, ge=1, description="Maximum epochs (early stopping on valid BCE).")
+    history_len: int = Field(50, ge=1, description="History length L.")
+    batch_size: int = Field(256, ge=1, description="Training batch size.")
+    d_model: int = Field(64, ge=1, description="FM model width.")
+    layers: int = Field(2, ge=1, description="FM sequence-encoder layers.")
+    d_interaction: int = Field(128, ge=1, description="Width of the interaction embedding h(u, i).")
+    d_code: int = Field(32, ge=1, description="Code width D (what the VM and the feature store take).")
+    max_train_rows: int | None = Field(None, ge=1, description="Subsample large logs: N training rows, N/4 valid "
+                                                                "and N/4 test rows.")
+    seed: int = Field(0, ge=0, description="Random seed.")
+    # The ranker's VM trains on what the store would serve the new models: a replay of the log's last served_hours,
+    # refreshed every served_every (solaris_jobs.learning.replay).
+    served_hours: int | float = Field(24, gt=0, description="The ranker's VM trains on a replay of the log's last "
+                                                            "this many hours.")
+    served_every: str = Field("1h", description="The replay's refresh interval (a duration: 1h, 30min).")
+
+    @field_validator("served_every")
+    @classmethod
+    def _duration(cls, v: str) -> str:
+        import pandas as pd             # only when training settings are read (a training task), not at import
+        try:
+            if pd.Timedelta(v) <= pd.Timedelta(0):
+                raise ValueError("a duration must be positive")
+        except ValueError as e:
+            raise ValueError(f"not a duration ({e})") from e
+        return v
 
 
-def train_settings(env=None) -> dict:
-    """``SOLARIS_TRAIN`` (JSON) over ``TRAIN_DEFAULTS``; unknown keys are an error."""
+_TRAIN_ADAPTER = TypeAdapter(TrainSettings)
+
+
+def train_settings(env=None) -> TrainSettings:
+    """``SOLARIS_TRAIN`` (JSON) over ``TrainSettings``' defaults.
+
+    Raises:
+        ValueError: not JSON, an unknown key, or a value of the wrong type or out of range (the message names the
+            setting).
+    """
     env = os.environ if env is None else env
     raw = env.get("SOLARIS_TRAIN")
     try:
         o = json.loads(raw) if raw else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"SOLARIS_TRAIN is not JSON: {e}") from e
-    unknown = set(o) - set(TRAIN_DEFAULTS)
+    if not isinstance(o, dict):
+        raise ValueError(f"SOLARIS_TRAIN must be a JSON object, not {raw!r}")
+    known = sorted(TrainSettings.__pydantic_fields__)
+    unknown = set(o) - set(known)
     if unknown:
-        raise ValueError(f"SOLARIS_TRAIN: unknown settings {sorted(unknown)}; known: {sorted(TRAIN_DEFAULTS)}")
-    return {**TRAIN_DEFAULTS, **o}
+        raise ValueError(f"SOLARIS_TRAIN: unknown settings {sorted(unknown)}; known: {known}")
+    return validate_train(o, dict.fromkeys(o, "SOLARIS_TRAIN"))
+
+
+def validate_train(raw: dict, names: dict[str, str] | None = None) -> TrainSettings:
+    """``TrainSettings`` from a dict of fields; an error names the field and where it came from (``names``: field
+    -> a variable or a flag)."""
+    try:
+        return _TRAIN_ADAPTER.validate_python(raw)
+    except ValidationError as e:
+        raise ValueError(f"training settings: {_explain(e, names)}") from e
 
 
 def model_registry(env=None) -> Path:
@@ -515,5 +599,6 @@ def all_env_names() -> set[str]:
 
 
 __all__ = ["Settings", "PrecomputeConfig", "SimulatorConfig", "ENV", "DAG_ENV", "FLAGS", "Flag", "apply_flags",
-           "default_of", "env_var", "train_settings", "model_registry", "view_ttl", "feature_repo",
-           "feast_offline_root", "cache_dir", "dag_env", "all_env_names", "TRAIN_DEFAULTS"]
+           "default_of", "describe", "env_var", "TrainSettings", "train_settings", "validate_train",
+           "model_registry", "view_ttl", "feature_repo", "feast_offline_root", "cache_dir", "dag_env",
+           "all_env_names"]

@@ -102,28 +102,40 @@ def data_candidates(root, cutoff, users, n_candidates) -> None:
     click.echo(sim.candidates(list(users)).to_csv(index=False), nl=False)
 
 
+def _train_field(flag: str, field: str):
+    """An option of a ``TrainSettings`` field: its default and its description from the settings."""
+    from solaris_jobs.core.settings import TrainSettings, describe
+    return click.option(flag, field, default=getattr(TrainSettings(), field), type=int,
+                        help=describe(field, TrainSettings))
+
+
 def _train_options(f):
     for opt in reversed([
         click.option("--data", "root", required=True, type=click.Path(exists=True, file_okay=False),
                      help="Data root (event-log contract)."),
         click.option("--out", required=True, type=click.Path(dir_okay=False), help="Checkpoint to write."),
-        click.option("--epochs", default=3, help="Maximum epochs (early stopping on valid BCE)."),
-        click.option("--batch-size", default=256),
+        _train_field("--epochs", "epochs"),
+        _train_field("--batch-size", "batch_size"),
         click.option("--lr", default=2e-3),
-        click.option("--seed", default=0),
-        click.option("--history-len", default=50, help="History length L."),
+        _train_field("--seed", "seed"),
+        _train_field("--history-len", "history_len"),
         click.option("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
-        click.option("--max-train-rows", default=None, type=int,
-                     help="Subsample large logs: N training rows, N/4 valid and N/4 test rows."),
+        _train_field("--max-train-rows", "max_train_rows"),
     ]):
         f = opt(f)
     return f
 
 
-def _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows):
-    from solaris_jobs.learning.training import TrainConfig
-    return TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, history_len=history_len,
-                       device=device, max_train_rows=max_train_rows)
+def _train_run(kw: dict):
+    """The training settings of the flags in ``kw`` (validated: an error names the flag), the trainers' settings,
+    and the data set they read."""
+    from solaris_jobs.core.settings import TrainSettings, validate_train
+    from solaris_jobs.learning import training
+    fields = {k: kw.pop(k) for k in list(kw) if k in TrainSettings.__pydantic_fields__}
+    ts = validate_train(fields, {k: "--" + k.replace("_", "-") for k in fields})
+    cfg = training.TrainConfig.of(ts, lr=kw.pop("lr"), device=kw.pop("device"))
+    data = training.load_dataset(kw.pop("root"), ts.history_len, max_train_rows=ts.max_train_rows, seed=ts.seed)
+    return ts, cfg, data
 
 
 def _summary(metrics: dict) -> dict:
@@ -137,29 +149,26 @@ def train() -> None:
 
 @train.command("fm")
 @_train_options
-@click.option("--d-model", default=64)
-@click.option("--layers", default=2)
-@click.option("--d-interaction", default=128, help="Width of the interaction embedding h(u, i).")
-def train_fm(root, out, epochs, batch_size, lr, seed, history_len, device, max_train_rows, d_model, layers,
-             d_interaction):
+@_train_field("--d-model", "d_model")
+@_train_field("--layers", "layers")
+@_train_field("--d-interaction", "d_interaction")
+def train_fm(out, **kw):
     """Train the foundation model (sequence model with target attention, label and rating heads)."""
     from solaris_jobs.learning import training
-    cfg = _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows)
-    data = training.load_dataset(root, history_len, max_train_rows=max_train_rows, seed=seed)
-    _echo_json(_summary(training.train_fm(data, out, cfg, d_model=d_model, n_layers=layers,
-                                          d_interaction=d_interaction)))
+    ts, cfg, data = _train_run(kw)
+    _echo_json(_summary(training.train_fm(data, out, cfg, d_model=ts.d_model, n_layers=ts.layers,
+                                          d_interaction=ts.d_interaction)))
 
 
 @train.command("ae")
 @_train_options
 @click.option("--fm", "fm_path", required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--d-code", default=32, help="Code width D (what the VM and the feature store take).")
-def train_ae(root, out, epochs, batch_size, lr, seed, history_len, device, max_train_rows, fm_path, d_code):
+@_train_field("--d-code", "d_code")
+def train_ae(out, fm_path, **kw):
     """Train the autoencoder on the FM's interaction embeddings; report reconstruction error."""
     from solaris_jobs.learning import training
-    cfg = _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows)
-    data = training.load_dataset(root, history_len, max_train_rows=max_train_rows, seed=seed)
-    _echo_json(_summary(training.train_ae(data, fm_path, out, cfg, d_code=d_code)))
+    ts, cfg, data = _train_run(kw)
+    _echo_json(_summary(training.train_ae(data, fm_path, out, cfg, d_code=ts.d_code)))
 
 
 @train.command("vm")
@@ -170,12 +179,10 @@ def train_ae(root, out, epochs, batch_size, lr, seed, history_len, device, max_t
 @click.option("--ae", "ae_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--coverage", default=1.0, help="transfer: share of rows that get an embedding (others zeros).")
 @click.option("--kd-weight", default=0.5, help="kd: weight of the FM soft label in the loss.")
-def train_vm(root, out, epochs, batch_size, lr, seed, history_len, device, max_train_rows, mode, fm_path, ae_path,
-             coverage, kd_weight):
+def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, **kw):
     """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding."""
     from solaris_jobs.learning import training
-    cfg = _train_cfg(epochs, batch_size, lr, seed, history_len, device, max_train_rows)
-    data = training.load_dataset(root, history_len, max_train_rows=max_train_rows, seed=seed)
+    _, cfg, data = _train_run(kw)
     _echo_json(_summary(training.train_vm(data, out, cfg, mode=mode, fm_path=fm_path, ae_path=ae_path,
                                           coverage=coverage, kd_weight=kd_weight)))
 
@@ -305,18 +312,26 @@ def _settings_options(f):
                              "flags above override it. Without it, the SOLARIS_* environment.")(f)
 
 
+def _load_settings(settings_json: str | None = None, **overrides):
+    """The refresh's Settings as every command builds them: from ``--settings`` (JSON, or ``@file``: a file of it)
+    when given, else the ``SOLARIS_*`` environment; then ``overrides`` (Settings fields; None ones are not given).
+    Not checked for completeness (``Settings.require``)."""
+    from solaris_jobs.core.settings import Settings
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not settings_json:
+        return Settings.from_env(require=False, **overrides)
+    text = Path(settings_json[1:]).read_text() if settings_json.startswith("@") else settings_json
+    s = Settings.from_json(text)
+    return s.override(**overrides) if overrides else s
+
+
 def _settings(kw: dict):
     """Settings from --settings (else the environment), then the flags; pops the flag arguments from ``kw``.
     Under spark-submit (``spark_submit_main``) the master is spark-submit's unless --master is given; the log level
     is the settings' unless --log-level is."""
-    from solaris_jobs.core.settings import Settings, apply_flags
-    raw = kw.pop("settings_json")
+    from solaris_jobs.core.settings import apply_flags
+    s = _load_settings(kw.pop("settings_json"))
     flags = {k[len("_flag_"):].replace("__", "."): kw.pop(k) for k in list(kw) if k.startswith("_flag_")}
-    if raw:
-        text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
-        s = Settings.from_json(text)
-    else:
-        s = Settings.from_env(require=False)
     root = click.get_current_context().find_root()
     if (root.obj or {}).get("spark_submit") and flags.get("spark_master") is None:
         s = s.for_spark_submit()
@@ -371,30 +386,31 @@ for _name, _steps, _help in [
     main.add_command(_job_command(_name, _steps, _help))
 
 
+def _described(field: str, default: str) -> str:
+    """Help of an option that sets a Settings field: the field's description, then where the default comes from."""
+    from solaris_jobs.core.settings import describe
+    return f"{describe(field)} Default: {default}."
+
+
 _repo_option = click.option("--feature-repo", default=None, type=click.Path(file_okay=False),
-                            help="Feast repo (default: the environment's, or ./feature_repo); the online store "
-                                 "is its feature_store.yaml, or $FEAST_FS_YAML_FILE_PATH.")
+                            help=_described("feature_repo", "the environment's, or ./feature_repo"))
 
 
 @main.command("materialize")
-@click.option("--offline", default=None, help="Offline store root (the refresh jobs' outputs; default: the "
-                                              "environment's).")
+@click.option("--offline", default=None, help=_described("offline", "the environment's"))
 @click.option("--start", required=True, help="Interval start (UTC).")
 @click.option("--end", required=True, help="Interval end (UTC): the outputs keyed by this end are written.")
 @click.option("--every", default=None, help="Split [start, end) into intervals of this length and write each.")
 @click.option("--views", "view_names", default=None, help="Comma-separated views (default: all).")
 @click.option("--expire-from", type=click.Choice(["event", "write"]), default=None,
-              help="event: keys expire at event time + view TTL; write: at write time + TTL (replays, demo). "
-                   "Default: the environment's, or event.")
+              help=_described("expire_from", "the environment's, or event"))
 @click.option("--always-check", is_flag=True, help="Compare every key's stored event time (other writers exist).")
 @_repo_option
 def materialize_cmd(offline, start, end, every, view_names, expire_from, always_check, feature_repo) -> None:
     """Write intervals' pair embeddings, user aggregates and neighbours into the online store (Feast's layout,
     per-view expiry). Exits non-zero if any write fails; only complete intervals are recorded as materialized."""
-    from solaris_jobs.core.settings import Settings, apply_flags
     from solaris_jobs.flows import refresh_steps as o
-    s = apply_flags(Settings.from_env(require=False), {"offline": offline, "expire_from": expire_from,
-                                                       "feature_repo": feature_repo})
+    s = _load_settings(offline=offline, expire_from=expire_from, feature_repo=feature_repo)
     if not s.offline:
         raise click.UsageError("give --offline (or set the environment's offline store)")
     names = view_names.split(",") if view_names else None
@@ -466,8 +482,7 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
 
 
 @main.command("status")
-@click.option("--offline", default=None, help="Offline store root (default: the settings' offline store, from "
-                                              "the environment).")
+@click.option("--offline", default=None, help=_described("offline", "the environment's"))
 @click.option("--last", default=10, show_default=True, type=click.IntRange(min=1),
               help="How many of the newest intervals to show.")
 @click.option("--metrics", default=None, help="The serving client's Prometheus text: a file, or an http(s) "
@@ -481,12 +496,9 @@ def status_cmd(offline, last, metrics, scan_limit, as_json, now, feature_repo) -
     """The newest intervals and each step's state (selected, embedded, aggregated, neighbours, materialized),
     the coverage by tier the interval's requests met, the online store's freshness and keys per view, and the
     serving client's metrics if given: what to check first when a ranker's features look wrong."""
-    from solaris_jobs.core.settings import Settings, env_var
+    from solaris_jobs.core.settings import env_var
     from solaris_jobs.flows.status import format_status, status
-    kw = {"offline": offline} if offline else {}
-    if feature_repo:
-        kw["feature_repo"] = feature_repo
-    s = Settings.from_env(require=False, **kw)
+    s = _load_settings(offline=offline or None, feature_repo=feature_repo or None)
     if not s.offline:
         raise click.UsageError(f"no offline store: pass --offline or set {env_var('offline')}")
     st = status(s, last=last, now=now, metrics=metrics, scan_limit=scan_limit)
@@ -494,7 +506,7 @@ def status_cmd(offline, last, metrics, scan_limit, as_json, now, feature_repo) -
 
 
 @main.command("prune")
-@click.option("--offline", default=None, help="Offline store root (default: the offline setting's variable).")
+@click.option("--offline", default=None, help=_described("offline", "--settings', else the environment's"))
 @click.option("--before", default=None, help="Remove intervals that end before this time (UTC).")
 @click.option("--keep-hours", default=None, type=click.FloatRange(min=0),
               help="Or: keep each dataset's last this many hours (before its newest interval's end).")
@@ -513,16 +525,11 @@ def prune_cmd(offline, before, keep_hours, datasets, settings_json, dry_run) -> 
     dataset, what was removed and the bytes freed."""
     import pandas as pd
 
-    from solaris_jobs.core.settings import Settings, env_var
+    from solaris_jobs.core.settings import env_var
     from solaris_jobs.pipeline import retention
     if (before is None) == (keep_hours is None):
         raise click.UsageError("give one of --before or --keep-hours")
-    if settings_json:
-        text = Path(settings_json[1:]).read_text() if settings_json.startswith("@") else settings_json
-        s = Settings.from_json(text)
-        s = s.override(offline=offline) if offline else s
-    else:
-        s = Settings.from_env(require=False, **({"offline": offline} if offline else {}))
+    s = _load_settings(settings_json, offline=offline or None)
     if not s.offline:
         raise click.UsageError(f"no offline store: pass --offline or set {env_var('offline')}")
     groups = {"state": retention.STATE, "all": retention.DATASETS}

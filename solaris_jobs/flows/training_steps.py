@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from solaris_jobs.core.settings import Settings, train_settings, ttl_env
+from solaris_jobs.core.settings import Settings, TrainSettings, train_settings, ttl_env
 from solaris_jobs.core.settings import model_registry as registry
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ def new_version_dir(run_id: str) -> str:
     return str(path)
 
 
-def served_protocol(root: str, o: dict):
+def served_protocol(root: str, o: TrainSettings):
     """The training DAG's time protocol (``evaluation.protocol.Protocol``): the FM, autoencoder and verifier learn
     from the log before ``t1 = end - served_hours`` (early stopping on its last tenth); the ranker's VM trains on
     what a replay of ``[t1, end)`` served with them (out of their sample), validating on the window's last quarter.
@@ -39,15 +39,15 @@ def served_protocol(root: str, o: dict):
     """
     from solaris_jobs.core import events as ev
     from solaris_jobs.evaluation.protocol import Protocol
-    every = pd.Timedelta(o["served_every"])
+    every = pd.Timedelta(o.served_every)
     ts = ev.read_events(root, columns=["user_id", "item_id", "event_timestamp"]).column("event_timestamp").cast(
         "int64").to_numpy()
     end = pd.Timestamp(int(ts.max()), unit="us", tz="UTC").floor(every) + every
     t0 = pd.Timestamp(int(ts.min()), unit="us", tz="UTC").floor("D")
-    t1 = end - pd.Timedelta(hours=o["served_hours"])
+    t1 = end - pd.Timedelta(hours=o.served_hours)
     if t1 <= t0 + every:
         raise ValueError(f"{root}: the log ({t0.isoformat()} to {end.isoformat()}) is not longer than the served "
-                         f"window (training setting served_hours={o['served_hours']})")
+                         f"window (training setting served_hours={o.served_hours})")
     valid_from = max((t1 + (end - t1) * 0.75).floor(every), t1 + every) if end - t1 > every else t1 + every / 2
     return Protocol(t0, t1, end, end + every, valid_from, (t1 - (t1 - t0) / 10).floor("min"))
 
@@ -57,8 +57,7 @@ def train(kind: str, version_dir: str) -> dict:
     from solaris_jobs.learning import training
     o = train_settings()
     d = Path(version_dir)
-    cfg = training.TrainConfig(epochs=o["epochs"], batch_size=o["batch_size"], seed=o["seed"],
-                               history_len=o["history_len"], max_train_rows=o["max_train_rows"])
+    cfg = training.TrainConfig.of(o)
     root = Settings.from_env(require=False).data
     if not root:
         raise ValueError("set the data root (Settings.data) for training")
@@ -69,19 +68,19 @@ def train(kind: str, version_dir: str) -> dict:
         raise ValueError(f"unknown model kind {kind!r}")
     # Nothing from the served window reaches the FM, the autoencoder or the verifier: the ranker's VM trains on
     # their outputs there, which must be out of their sample as in serving.
-    data = training.load_dataset(root, o["history_len"], max_train_rows=o["max_train_rows"], seed=o["seed"],
+    data = training.load_dataset(root, o.history_len, max_train_rows=o.max_train_rows, seed=o.seed,
                                  cuts=(P.fm_valid_from, P.t1))
     if kind == "fm":
-        m = training.train_fm(data, d / "fm.pt", cfg, d_model=o["d_model"], n_layers=o["layers"],
-                              d_interaction=o["d_interaction"])
+        m = training.train_fm(data, d / "fm.pt", cfg, d_model=o.d_model, n_layers=o.layers,
+                              d_interaction=o.d_interaction)
     elif kind == "ae":
-        m = training.train_ae(data, d / "fm.pt", d / "ae.pt", cfg, d_code=o["d_code"])
+        m = training.train_ae(data, d / "fm.pt", d / "ae.pt", cfg, d_code=o.d_code)
     else:
         m = training.train_vm(data, d / "vm.pt", cfg)
     return json.loads(json.dumps({k: v for k, v in m.items() if k != "history"}, default=str))
 
 
-def train_served_vm(root: str, version_dir: Path, o: dict, P) -> dict:
+def train_served_vm(root: str, version_dir: Path, o: TrainSettings, P) -> dict:
     """The ranker's VM, trained on what the store would serve it: the refresh and the serving client replayed
     (``solaris_jobs.learning.replay``) over ``[P.t1, P.t2)`` with this version's FM, autoencoder and verifier
     (trained before ``P.t1``), the refresh settings of the environment and the views' TTLs; rows before that window carry tier none
@@ -95,7 +94,7 @@ def train_served_vm(root: str, version_dir: Path, o: dict, P) -> dict:
     from solaris_jobs.online.views import views
     from solaris_jobs.pipeline import jobs, model_refs
     from solaris_jobs.pipeline.event_source import EventTable
-    every = pd.Timedelta(o["served_every"])
+    every = pd.Timedelta(o.served_every)
     table = ev.read_events(root)
     s = Settings.from_env(models=str(version_dir), offline=str(version_dir / "served" / "offline"), require=False)
     models = model_refs.resolve(version_dir, ("fm", "ae", "vm"))
@@ -105,7 +104,7 @@ def train_served_vm(root: str, version_dir: Path, o: dict, P) -> dict:
                      version_dir / "served")
     data = training.load_dataset(root, models.history_len, cuts=(P.valid_from, P.t2))
     served = replay.read_served(version_dir / "served")
-    out = variants.train_on_served(data, P, served, models, version_dir / "vm_transfer.pt", seed=o["seed"])
+    out = variants.train_on_served(data, P, served, models, version_dir / "vm_transfer.pt", seed=o.seed)
     out.update(mode="transfer", protocol=P.to_dict(), served_every=str(every), replay_wall_s=rec["wall_s"],
                fm_version=models.fm.version, ae_version=models.ae.version,
                served_tiers=np.bincount(served.column("tier").to_numpy(), minlength=4).tolist())

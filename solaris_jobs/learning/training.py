@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -26,6 +27,9 @@ from solaris_jobs.core import events as ev
 from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.model_inputs import EventIndex, Examples, id_vocabulary, side_tables, time_split
 from solaris_jobs.pipeline.model_refs import check_ae_of_fm, resolve_device
+
+if TYPE_CHECKING:
+    from solaris_jobs.core.settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,12 @@ class TrainConfig:
     history_len: int = 50
     max_train_rows: int | None = None     # subsample: N train rows, N/4 valid and test rows (large logs)
     split: tuple = (0.8, 0.1, 0.1)
+
+    @classmethod
+    def of(cls, ts: TrainSettings, **more) -> "TrainConfig":
+        """The trainers' settings from the training settings; ``more``: the other fields (lr, device, ...)."""
+        return cls(epochs=ts.epochs, batch_size=ts.batch_size, seed=ts.seed, history_len=ts.history_len,
+                   max_train_rows=ts.max_train_rows, **more)
 
 
 @dataclass

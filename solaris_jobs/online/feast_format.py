@@ -103,7 +103,7 @@ def ts_field(view: str) -> bytes:
 
 # --------------------------------------------------------------------------------------------------- values
 
-FLOAT_LIST, STRING_VAL, INT32_VAL, INT64_VAL, INT64_LIST = 16, 2, 3, 4, 14
+FLOAT_LIST, STRING_VAL, INT32_VAL, INT64_LIST = 16, 2, 3, 14
 
 
 def float_list_prefix(dim: int) -> bytes:
@@ -125,11 +125,6 @@ def float_lists(matrix: np.ndarray) -> np.ndarray:
 
 def string_value(s: str) -> bytes:
     return _tagged(STRING_VAL, s.encode())
-
-
-def int64_value(v: int) -> bytes:
-    # A member of Value's oneof: written even when 0.
-    return _varint(INT64_VAL << 3) + _varint(int(v) & 0xFFFFFFFFFFFFFFFF)
 
 
 def int32_values(values: np.ndarray) -> list[bytes]:
@@ -169,14 +164,6 @@ def parse_timestamp(buf: bytes) -> float:
         elif tag >> 3 == 2:
             nanos = v
     return seconds + nanos / 1e9
-
-
-def parse_string(buf: bytes) -> str | None:
-    """The string of a serialized ``Value(string_val=...)``; None if it is not one."""
-    if not buf or buf[0] != (STRING_VAL << 3 | 2):
-        return None
-    n, pos = _read_varint(buf, 1)
-    return buf[pos: pos + n].decode()
 
 
 def parse_float_lists(bufs: list, dim: int, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

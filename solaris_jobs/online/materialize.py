@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -22,11 +23,9 @@ from solaris_jobs.core.events import to_utc as _utc
 from solaris_jobs.online import feast_format as ff
 from solaris_jobs.online.store_config import StoreConfig, redis_client
 from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, View, views
-from solaris_jobs.online.writer import ClusterWriter, Encoded, RedisWriter, SqliteWriter
+from solaris_jobs.online.writer import MARKER, MARKER_TABLE, Encoded, OnlineWriter, RowGroup, open_writer
 
 logger = logging.getLogger(__name__)
-
-MARKER = "solaris:{project}:materialized"
 
 
 def _embedding_matrix(col: pa.ChunkedArray | pa.Array, where: str) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -119,6 +118,28 @@ class MaterializeError(RuntimeError):
     write): the interval is not recorded as materialized, and a rerun writes it whole."""
 
 
+@dataclass(frozen=True)
+class _Interval:
+    """What every write of one interval shares.
+
+    Attributes:
+        end: the interval's end (UTC); its outputs are keyed by it.
+        now: the clock for ``expire_from``; ``created`` of SQLite's rows.
+        expire_from: ``event`` or ``write`` (``materialize``'s argument).
+        names: the views to write, in order.
+        views: every view, by name.
+        shared: per view, whether other views write the same entity keys (the user views share the user's hash).
+        check_newer: compare each key's stored event time (a later interval was materialized before, or asked).
+    """
+    end: pd.Timestamp
+    now: pd.Timestamp
+    expire_from: str
+    names: tuple[str, ...]
+    views: dict
+    shared: dict
+    check_newer: bool
+
+
 def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_from: str = "event",
                 now=None, batch_rows: int = 50_000, env=None, always_check: bool = False, start=None,
                 timeout_s: float = 60.0) -> dict:
@@ -142,78 +163,76 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
         MaterializeError: the store failed part-way (the message names the view and the rows read so far); the
             interval is not marked materialized, and a rerun writes it whole.
     """
+    iv = _plan(cfg, end, view_names, expire_from, now, env, always_check)
+    out = {"interval_end": iv.end.isoformat(),
+           "interval_start": _utc(start).isoformat() if start is not None else None,
+           "checked_newer": iv.check_newer, "store": cfg.describe(), "expire_from": expire_from, "views": {}}
+    t_all = time.perf_counter()
+    name, st = None, Counter()          # the view being written and its counts so far (for the error message)
+    with open_writer(cfg, timeout_s) as writer:
+        try:
+            for name in iv.names:
+                st = Counter()
+                out["views"][name] = _write_view(writer, iv, iv.views[name], offline, batch_rows, st)
+            out["seconds"] = round(time.perf_counter() - t_all, 3)
+            writer.mark_materialized(iv.end.isoformat(), json.dumps(out, sort_keys=True, default=str))
+        except _store_errors() as e:
+            raise MaterializeError(
+                f"materializing the interval ending {iv.end.isoformat()} into {cfg.describe()} failed in view {name} "
+                f"after {int(st['rows'])} of its rows ({type(e).__name__}: {e}); the interval is not recorded as "
+                f"materialized: rerun the materialize step once the store is back") from e
+    logger.info("materialized %s into %s: %s", iv.end, cfg.describe(),
+                {k: (v["written"], v["rows"]) for k, v in out["views"].items()})
+    return out
+
+
+def _plan(cfg: StoreConfig, end, view_names, expire_from: str, now, env, always_check: bool) -> _Interval:
+    """The interval's shared write settings, its arguments checked.
+
+    Raises:
+        ValueError: ``expire_from`` is neither ``event`` nor ``write``, or a view name is unknown.
+    """
     if expire_from not in ("event", "write"):
         raise ValueError(f"expire_from must be 'event' or 'write', not {expire_from!r}")
     all_views = views(env)
-    names = list(view_names or all_views)
+    names = tuple(view_names or all_views)
     unknown = set(names) - set(all_views)
     if unknown:
         raise ValueError(f"unknown feature views {sorted(unknown)}; known: {sorted(all_views)}")
     end = _utc(end)
     now = _utc(pd.Timestamp.now(tz="UTC") if now is None else now)
-    created = int(now.timestamp())          # Feast's SQLite store keeps times as epoch seconds
-    if cfg.kind == "redis":
-        client = redis_client(cfg, timeout_s=timeout_s)
-        writer = ClusterWriter(client, cfg) if cfg.redis_type == "redis_cluster" else RedisWriter(client)
-        suffix = cfg.project.encode()               # Feast's Redis keys end with the project
-    else:
-        client, writer, suffix = None, SqliteWriter(cfg.sqlite_path, cfg.project), b""
-    # Views whose entity keys other views also write (the user views share the user's hash).
     shared = {n: sum(v.join_keys == all_views[n].join_keys for v in all_views.values()) > 1 for n in all_views}
     # Rows newer than this interval's can only be in the store if a later interval was materialized before
     # (a backfill): only then must each key be compared with what is stored.
     later = [e for e in materialized_intervals(cfg) if e > end]
-    check_newer = bool(later) or always_check
-    out = {"interval_end": end.isoformat(), "interval_start": _utc(start).isoformat() if start is not None else None,
-           "checked_newer": check_newer, "store": cfg.describe(),
-           "expire_from": expire_from, "views": {}}
-    t_all = time.perf_counter()
-    name, st = None, Counter()
-    try:
-        for name in names:
-            view = all_views[name]
-            fields = [ff.field_name(view.name, c) for c in view.columns] if cfg.kind == "redis" else view.columns
-            st = Counter()
-            rejected: Counter = Counter()
-            t0 = time.perf_counter()
-            for batch in off.read_batches(offline, view.name, end, batch_rows):
-                table = pa.Table.from_batches([batch])
-                st["rows"] += table.num_rows
-                enc, meta, why = encode(view, table, suffix)
-                rejected.update(why)
-                for ts, version, idx in _groups(meta):
-                    base = now if expire_from == "write" else ts
-                    expire_at = base + view.ttl
-                    if expire_at <= now:
-                        st["expired"] += len(idx)
-                        continue
-                    part = _constant_version(enc, view, idx, version)
-                    if cfg.kind == "redis":
-                        ns = ts.value
-                        writer.write(view, part, ns // 10**9, ns % 10**9, expire_at.value // 10**6, fields,
-                                     shared=shared[name], check_newer=check_newer)
-                    else:
-                        writer.write(view, part, int(ts.timestamp()), created, fields)
-            st["written"], st["skipped_older"] = writer.flush()
-            secs = time.perf_counter() - t0
-            out["views"][name] = {**{k: int(st[k]) for k in ("rows", "written", "skipped_older", "expired")},
-                                  "rejected": dict(rejected), "ttl_seconds": int(view.ttl.total_seconds()),
-                                  "seconds": round(secs, 3),
-                                  "rows_per_s": round(st["rows"] / secs, 1) if secs > 0 else None}
-            for reason, count in rejected.items():
-                logger.warning("%s %s: %d rows set aside: %s", name, end, count, reason)
-        out["seconds"] = round(time.perf_counter() - t_all, 3)
-        _mark(cfg, client, writer, end, out)
-    except _store_errors() as e:
-        raise MaterializeError(
-            f"materializing the interval ending {end.isoformat()} into {cfg.describe()} failed in view {name} after "
-            f"{int(st['rows'])} of its rows ({type(e).__name__}: {e}); the interval is not recorded as materialized: "
-            f"rerun the materialize step once the store is back") from e
-    finally:
-        writer.close()
-    logger.info("materialized %s into %s: %s", end, cfg.describe(),
-                {k: (v["written"], v["rows"]) for k, v in out["views"].items()})
-    return out
+    return _Interval(end, now, expire_from, names, all_views, shared, bool(later) or always_check)
+
+
+def _write_view(writer: OnlineWriter, iv: _Interval, view: View, offline: str, batch_rows: int,
+                st: Counter) -> dict:
+    """Writes one view's output of the interval; counts into ``st`` as it goes (rows read, expired, written,
+    skipped as older). Returns the view's stats."""
+    rejected: Counter = Counter()
+    t0 = time.perf_counter()
+    for batch in off.read_batches(offline, view.name, iv.end, batch_rows):
+        table = pa.Table.from_batches([batch])
+        st["rows"] += table.num_rows
+        enc, meta, why = encode(view, table, writer.key_suffix)
+        rejected.update(why)
+        for ts, version, idx in _groups(meta):
+            expire_at = (iv.now if iv.expire_from == "write" else ts) + view.ttl
+            if expire_at <= iv.now:
+                st["expired"] += len(idx)
+                continue
+            writer.write_group(RowGroup(view, _constant_version(enc, view, idx, version), ts, expire_at, iv.now,
+                                        shared=iv.shared[view.name], check_newer=iv.check_newer))
+    st["written"], st["skipped_older"] = writer.flush()
+    secs = time.perf_counter() - t0
+    for reason, count in rejected.items():
+        logger.warning("%s %s: %d rows set aside: %s", view.name, iv.end, count, reason)
+    return {**{k: int(st[k]) for k in ("rows", "written", "skipped_older", "expired")},
+            "rejected": dict(rejected), "ttl_seconds": int(view.ttl.total_seconds()), "seconds": round(secs, 3),
+            "rows_per_s": round(st["rows"] / secs, 1) if secs > 0 else None}
 
 
 def _store_errors() -> tuple:
@@ -224,17 +243,6 @@ def _store_errors() -> tuple:
 
     import redis
     return ConnectionError, TimeoutError, redis.RedisError, sqlite3.Error, RuntimeError
-
-
-def _mark(cfg: StoreConfig, client, writer, end: pd.Timestamp, stats: dict) -> None:
-    text = json.dumps(stats, sort_keys=True, default=str)
-    if cfg.kind == "redis":
-        client.hset(MARKER.format(project=cfg.project), end.isoformat(), text)
-    else:
-        with writer.conn:
-            writer.conn.execute("CREATE TABLE IF NOT EXISTS solaris_materialized "
-                                "(interval_end TEXT PRIMARY KEY, stats TEXT)")
-            writer.conn.execute("INSERT OR REPLACE INTO solaris_materialized VALUES (?, ?)", (end.isoformat(), text))
 
 
 def materialized_intervals(cfg: StoreConfig) -> dict[pd.Timestamp, dict]:
@@ -251,7 +259,7 @@ def materialized_intervals(cfg: StoreConfig) -> dict[pd.Timestamp, dict]:
         return {}
     conn = sqlite3.connect(str(cfg.sqlite_path))
     try:
-        rows = conn.execute("SELECT interval_end, stats FROM solaris_materialized").fetchall()
+        rows = conn.execute(f"SELECT interval_end, stats FROM {MARKER_TABLE}").fetchall()
     except sqlite3.OperationalError:
         rows = []
     finally:

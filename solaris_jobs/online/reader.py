@@ -33,7 +33,7 @@ import pandas as pd
 from solaris_jobs.core.contract import TIERS
 from solaris_jobs.online import feast_format as ff
 from solaris_jobs.online.misses import MissQueue, ParquetSink, RedisStreamSink
-from solaris_jobs.online.resp import bulk, bulk_records
+from solaris_jobs.online.resp import RawConnection, bulk, bulk_records, open_raw
 from solaris_jobs.online.store_config import StoreConfig, redis_client
 from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, views
 
@@ -106,6 +106,9 @@ class FeatureReader:
         budget_ms: the read's time budget (socket timeout); slower or failing reads give tier none.
         misses: ``auto`` (Redis stream for a Redis store, else parquet under ``misses_dir`` if given), None (off),
             or a sink object with ``write(records)`` and ``close()``.
+
+    ``close()`` (or leaving a ``with FeatureReader(...) as reader:`` block) closes every connection and flushes the
+    miss queue.
     """
 
     def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
@@ -148,16 +151,14 @@ class FeatureReader:
                 self._states.append(own)
         return own
 
-    def _redis(self):
-        """A dedicated connection (redis-py does TLS/AUTH/SELECT) used raw: one pipelined write, hiredis replies."""
+    def _redis(self) -> RawConnection:
+        """A dedicated connection used raw (``open_raw``): one pipelined write, hiredis replies."""
         own = self._own
-        if own.conn is None:
+        if own.raw is None:
             import hiredis
             own.client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
-            conn = own.client.connection_pool.make_connection()
-            conn.connect()
-            own.conn, own.reader = conn, hiredis.Reader()
-        return own.conn
+            own.raw, own.reader = open_raw(own.client), hiredis.Reader()
+        return own.raw
 
     def _sqlite_conn(self):
         own = self._own
@@ -196,7 +197,7 @@ class FeatureReader:
         return pipe.execute()
 
     def _read_single(self, ukey: bytes, pkeys: np.ndarray) -> list:
-        conn = self._redis()
+        sock = self._redis().sock
         # One buffer: HMGET of the user's hash (both user views), then one HMGET per pair (fixed-width records).
         head = (b"*%d\r\n" % (2 + len(self._user_fields)) + bulk(b"HMGET") + bulk(ukey)
                 + b"".join(map(bulk, self._user_fields)))
@@ -206,8 +207,8 @@ class FeatureReader:
         rec["h"] = np.frombuffer(self._pair_head, np.uint8)
         rec["k"] = keys
         rec["f"] = np.frombuffer(self._pair_tail, np.uint8)
-        conn._sock.sendall(head + rec.tobytes())
-        replies, reader, sock, need = [], self._own.reader, conn._sock, 1 + len(pkeys)
+        sock.sendall(head + rec.tobytes())
+        replies, reader, need = [], self._own.reader, 1 + len(pkeys)
         while True:
             # Every complete reply buffered, parsed in C. gets() returns False when none is complete; an HMGET reply
             # is always an array, never False (a top-level integer 0 would be: not a reply this loop reads).
@@ -361,21 +362,27 @@ class FeatureReader:
         for own in states:
             own.drop()
 
+    def __enter__(self) -> "FeatureReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 class _Connections:
     """One thread's connections to the store."""
 
     def __init__(self):
-        self.conn = self.reader = self.client = self.sqlite = None
+        self.raw = self.reader = self.client = self.sqlite = None
 
     def drop(self) -> None:
-        for c in (self.conn, self.client, self.sqlite):
+        for c in (self.raw, self.client, self.sqlite):
             try:
                 if c is not None:
-                    c.disconnect() if c is self.conn else c.close()
+                    c.close()
             except Exception:
                 pass
-        self.conn = self.reader = self.client = self.sqlite = None
+        self.raw = self.reader = self.client = self.sqlite = None
 
 
 class _Timestamps(dict):

@@ -1,8 +1,11 @@
 """Redis's wire protocol (RESP) built with numpy: what the bulk writers send and the serving client's one round
 trip reads with. Fixed-width records become fixed-width bulk strings, so a whole batch is one buffer with no
-per-row Python.
+per-row Python. ``open_raw`` is the one place that reaches under redis-py for the socket they use.
 """
 from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,3 +27,42 @@ def bulk_records(rec: np.ndarray) -> np.ndarray:
 
 def bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+@dataclass(frozen=True)
+class RawConnection:
+    """A connection of our own to one Redis node, used raw: requests written to ``sock`` as whole buffers, replies
+    read from it in bulk."""
+    conn: object                # redis.connection.Connection (or SSLConnection): owns the socket
+    sock: socket.socket
+
+    def close(self) -> None:
+        """Closes the socket (replies may be outstanding: the connection is never reused)."""
+        self.conn.disconnect()
+
+
+def open_raw(client) -> RawConnection:
+    """A new connection of ``client``'s pool, connected, with its socket for raw pipelining.
+
+    Why the raw socket: the bulk writers and the serving client send thousands of commands as one numpy-built
+    buffer and check or parse the replies in bulk; redis-py's per-command and per-reply Python (about 6 us a
+    reply, 14 us a command) would cost more than Redis's own work. redis-py still does the handshake: TLS, AUTH,
+    SELECT, the client's timeouts.
+
+    What it relies on in redis-py 7.4.1 (pinned): ``ConnectionPool.make_connection()`` returns a new connection
+    outside the pool's bookkeeping; ``Connection.connect()`` opens it and runs the handshake; the open socket (an
+    ``ssl.SSLSocket`` under TLS) is the private attribute ``Connection._sock`` (redis-py has no public accessor:
+    ``_get_socket()`` is private too), and ``Connection.disconnect()`` closes it. Nothing else of redis-py's
+    internals is used: a redis-py upgrade that changes these fails here, in one place.
+
+    Raises:
+        redis.ConnectionError, redis.TimeoutError: the node could not be reached or refused the handshake.
+    """
+    conn = client.connection_pool.make_connection()
+    conn.connect()
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        conn.disconnect()
+        raise RuntimeError("redis-py's connection has no _sock after connect(): the raw socket access in "
+                           "solaris_jobs.online.resp.open_raw needs updating for this redis-py version")
+    return RawConnection(conn, sock)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-PROJECT = "solaris"
 FEATURE_SERVICE = "solaris_v1"     # bump the suffix when a view's schema changes
 
 # How a row's model_version is used when served (the Feast tags say it too).

@@ -8,21 +8,37 @@ share a key, such as the two user views, keep the longest). Requests are built a
 (every row of a batch has the same width) and pipelined on one connection: no per-row Python.
 
 SQLite: Feast's table per view (``<project>_<view>``), upserted with the same newest-wins rule.
+
+The three writers (``RedisWriter``, ``ClusterWriter``, ``SqliteWriter``) share one interface, ``OnlineWriter``:
+write a group of rows that share an event time (``RowGroup``), flush, record a completed interval, close (also as
+a context manager); ``open_writer`` picks the one the store configuration names.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import sqlite3
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from solaris_jobs.online import feast_format as ff
-from solaris_jobs.online.resp import bulk, bulk_records
+from solaris_jobs.online.resp import bulk, bulk_records, open_raw
+from solaris_jobs.online.store_config import StoreConfig, redis_client
 from solaris_jobs.online.views import View
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 logger = logging.getLogger(__name__)
+
+# Where a completely materialized interval is recorded, with its stats (``materialize.materialized_intervals``).
+MARKER = "solaris:{project}:materialized"          # Redis: a hash, interval end -> stats
+MARKER_TABLE = "solaris_materialized"              # SQLite: interval_end, stats
 
 # KEYS: entity keys. ARGV: ts field, ts value, seconds, nanos, expire-at ms (0: none), shared (1: other views
 # write the same keys: only ever extend the expiry), F, F field names, then F values per key.
@@ -98,11 +114,6 @@ class Encoded:
             return [v[i] for i in s]
         return Encoded(self.keys[s], [pick(v) for v in self.values])
 
-    def value_list(self) -> list[bytes]:
-        """The values key by key (F per key), as separate bytes objects."""
-        cols = [[x.tobytes() for x in v] if isinstance(v, np.ndarray) else list(v) for v in self.values]
-        return [b for row in zip(*cols) for b in row]
-
     def value_block(self) -> bytes:
         """RESP bulk strings of the values, key by key (F per key)."""
         if all(isinstance(v, np.ndarray) for v in self.values):
@@ -116,22 +127,125 @@ class Encoded:
         return b"".join(b"".join(row) for row in zip(*cols))
 
 
-class RedisWriter:
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows of one view that share an event time (so one expiry): what an ``OnlineWriter`` writes in one call.
+
+    Attributes:
+        rows: the encoded rows, keys ending with the writer's ``key_suffix``.
+        expire_at: when the rows' keys expire (Redis; Feast's SQLite store keeps no expiry).
+        written_at: the write's clock (SQLite's ``created_ts``).
+        shared: other views write the same entity keys (then a key's expiry is only ever extended).
+        check_newer: compare each key's stored event time (a newer stored row is kept); False when the caller
+            knows no stored row is newer.
+    """
+    view: View
+    rows: Encoded
+    event_time: pd.Timestamp
+    expire_at: pd.Timestamp
+    written_at: pd.Timestamp
+    shared: bool = True
+    check_newer: bool = True
+
+
+class OnlineWriter(ABC):
+    """A bulk writer into the online store, in Feast's layout. Usable as a context manager (closed on exit).
+
+    ``key_suffix``: what the store's entity keys end with (Feast's Redis keys end with the project; SQLite's
+    with nothing): ``RowGroup.rows`` are encoded with it.
+    """
+    key_suffix: bytes = b""
+
+    @abstractmethod
+    def write_group(self, group: RowGroup) -> None:
+        """Writes (or queues) one group of rows; a stored row with a newer event time is kept."""
+
+    @abstractmethod
+    def flush(self) -> tuple[int, int]:
+        """Waits for every write; returns (written, skipped because a newer row is stored) since the last flush."""
+
+    @abstractmethod
+    def mark_materialized(self, interval_end: str, stats: str) -> None:
+        """Records the interval ending at ``interval_end`` (ISO) as completely materialized, with its stats
+        (JSON)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Closes what the writer opened."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_writer(cfg: StoreConfig, timeout_s: float = 60.0) -> OnlineWriter:
+    """The writer of the configured store: Redis, Redis Cluster or SQLite.
+
+    Args:
+        timeout_s: how long one Redis reply may take before the write is given up.
+
+    Raises:
+        redis.RedisError: Redis could not be reached.
+    """
+    if cfg.kind != "redis":
+        return SqliteWriter(cfg.sqlite_path, cfg.project)
+    client = redis_client(cfg, timeout_s=timeout_s)
+    try:
+        if cfg.redis_type == "redis_cluster":
+            return ClusterWriter(client, cfg)
+        return RedisWriter(client, project=cfg.project)
+    except BaseException:
+        client.close()
+        raise
+
+
+class _RedisStore(OnlineWriter):
+    """What the two Redis writers share: Feast's Redis keys, fields and event times, and the interval record."""
+    client = None
+    project: str | None = None
+    _fields: dict            # view name -> its Redis field names, set by the subclasses
+
+
+    @property
+    def key_suffix(self) -> bytes:
+        return self.project.encode() if self.project is not None else b""
+
+    def write_group(self, group: RowGroup) -> None:
+        view, ns = group.view, group.event_time.value
+        fields = self._fields.get(view.name)
+        if fields is None:
+            fields = self._fields[view.name] = [ff.field_name(view.name, c) for c in view.columns]
+        self.write(view, group.rows, ns // 10**9, ns % 10**9, group.expire_at.value // 10**6, fields,
+                   shared=group.shared, check_newer=group.check_newer)
+
+    def mark_materialized(self, interval_end: str, stats: str) -> None:
+        if self.project is None:
+            raise ValueError("this Redis writer was opened without a project: it cannot record an interval")
+        self.client.hset(MARKER.format(project=self.project), interval_end, stats)
+
+    @abstractmethod
+    def write(self, view: View, enc: Encoded, ts_seconds: int, ts_nanos: int, expire_at_ms: int,
+              fields: list[bytes], shared: bool = True, check_newer: bool = True) -> None:
+        """Queues ``enc`` (rows sharing one event time) for writing, in Feast's Redis layout."""
+
+
+class RedisWriter(_RedisStore):
     """Pipelined writes to one Redis node.
 
     ``write`` sends and returns; replies are read ``depth`` requests behind, so that encoding the next batch
     overlaps with Redis executing the last one. ``flush`` waits for all replies and returns the totals.
     """
 
-    def __init__(self, client, batch: int = 2000, depth: int = 32):
-        self.client, self.batch, self.depth = client, batch, depth
+    def __init__(self, client, batch: int = 2000, depth: int = 32, *, project: str | None = None):
+        self.client, self.batch, self.depth, self.project = client, batch, depth, project
+        self._fields = {}
         self.sha = client.script_load(WRITE_SCRIPT)
-        # A connection of our own (redis-py does the TLS, AUTH and SELECT handshake), then raw pipelining on
-        # its socket. Every reply here is an integer, an array of integers or an error: one line each (or 3),
-        # checked in bulk (redis-py's per-reply Python costs ~6 us, more than Redis's own work).
-        self.conn = client.connection_pool.make_connection()
-        self.conn.connect()
-        self.sock = self.conn._sock
+        # Raw pipelining on a connection of our own (``open_raw``). Every reply here is an integer, an array of
+        # integers or an error: one line each (or 3), checked in bulk.
+        self.raw = open_raw(client)
+        self.sock = self.raw.sock
         self.buf = b""
         self.pending = 0
         self.kinds = collections.deque()
@@ -241,26 +355,23 @@ class RedisWriter:
 
     def abort(self) -> None:
         """Drops the connection (replies may be outstanding: it must not be reused)."""
-        if self.conn is not None:
-            self.conn.disconnect()
+        if self.raw is not None:
+            self.raw.close()
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.disconnect()
-            self.conn = self.sock = None
+        if self.raw is not None:
+            self.raw.close()
+            self.raw = self.sock = None
         self.client.close()
 
 
-class ClusterWriter:
+class ClusterWriter(_RedisStore):
     """Writes to a Redis Cluster: rows grouped by the primary that owns their key's slot, one ``RedisWriter``
     (raw pipelining) per primary. Scripted writes go one slot at a time (a script's keys must share a slot).
     A slot that moves during the write (resharding) fails the write with the MOVED error."""
 
-    def __init__(self, client, cfg):
-        import dataclasses
-
-        from solaris_jobs.online.store_config import redis_client
-        self.client = client
+    def __init__(self, client, cfg: StoreConfig):
+        self.client, self.project, self._fields = client, cfg.project, {}
         slots = client.nodes_manager.slots_cache
         self.writers: dict[str, RedisWriter] = {}
         self.node_of_slot = np.zeros(16384, np.int64)
@@ -295,6 +406,7 @@ class ClusterWriter:
                                          check_newer)
 
     def flush(self) -> tuple[int, int]:
+        """Waits for every node's replies; returns (written, skipped as older) since the last flush."""
         totals = [w.flush() for w in self.writers.values()]
         return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
@@ -304,11 +416,10 @@ class ClusterWriter:
         self.client.close()
 
 
-class SqliteWriter:
+class SqliteWriter(OnlineWriter):
     """Upserts into Feast's SQLite online tables (created if `feast apply` has not run yet), newest wins."""
 
     def __init__(self, path, project: str):
-        from pathlib import Path
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(str(path), timeout=30)
         self.project = project
@@ -338,10 +449,20 @@ class SqliteWriter:
         changed = (self.conn.total_changes - before) // max(len(fields), 1)
         self.written, self.skipped = self.written + changed, self.skipped + len(enc) - changed
 
+    def write_group(self, group: RowGroup) -> None:
+        self.write(group.view, group.rows, int(group.event_time.timestamp()), int(group.written_at.timestamp()),
+                   group.view.columns)
+
     def flush(self) -> tuple[int, int]:
+        """Returns (written, skipped as older) since the last flush (each write is committed as it is made)."""
         out = (self.written, self.skipped)
         self.written = self.skipped = 0
         return out
 
-    def close(self):
+    def mark_materialized(self, interval_end: str, stats: str) -> None:
+        with self.conn:
+            self.conn.execute(f"CREATE TABLE IF NOT EXISTS {MARKER_TABLE} (interval_end TEXT PRIMARY KEY, stats TEXT)")
+            self.conn.execute(f"INSERT OR REPLACE INTO {MARKER_TABLE} VALUES (?, ?)", (interval_end, stats))
+
+    def close(self) -> None:
         self.conn.close()
