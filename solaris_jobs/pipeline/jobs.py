@@ -32,6 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from solaris_jobs.core import offline as off
+from solaris_jobs.core import uris
 from solaris_jobs.core.events import to_utc
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.pipeline import model_refs
@@ -682,8 +683,8 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
         carried = int(keep.sum())
         prev = prev.filter(pa.array(keep))
         folder = off.require(s.offline, "knn_index", index_at)
-        index = knn.deserialize(off.read_bytes(off.join(folder, "index.faiss")))
-        index_ids = np.load(io.BytesIO(off.read_bytes(off.join(folder, "ids.npy"))))
+        index = knn.deserialize(off.read_bytes(uris.join(folder, "index.faiss")))
+        index_ids = np.load(io.BytesIO(off.read_bytes(uris.join(folder, "ids.npy"))))
         kind = (off.read_stats(s.offline, "knn_index", index_at) or {}).get("index")
     kk = min(cfg.knn_k, max(len(index_ids) - 1, 0))
     t_knn = time.perf_counter()
