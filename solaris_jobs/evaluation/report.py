@@ -1,7 +1,9 @@
-"""The evaluation's readable report beside ``report.json``: ``report.md`` with PNG plots (matplotlib, Agg), and
-``report.html``, the same report as one self-contained page (the table and the plots inline, nothing to fetch)."""
+"""The evaluation's report: ``report.json``, and beside it the readable ``report.md`` with PNG plots (matplotlib,
+Agg) and ``report.html``, the same report as one self-contained page (the table and the plots inline, nothing to
+fetch); and the few lines a terminal shows of it (``headline_table``)."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -397,13 +399,48 @@ def write(report: dict, out: Path) -> Path:
     return path
 
 
+def save(report: dict, out: Path) -> Path:
+    """Writes ``report.json`` and then the readable report (``write``) under ``out``; returns the Markdown's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    return write(report, out)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def headline_table(report: dict) -> str:
+    """A few lines for a terminal: per seed the FM's gain, the TRs, coverage and cost."""
+    f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"
+    lines = [f"{'seed':>4s} {'FM gain':>8s} {'TR all tiers':>12s} {'TR KD':>7s} {'any tier':>8s} {'pair/ceil':>9s} "
+             f"{'FM/row':>6s}"]
+    for p in report["summary"]:
+        lines.append(f"{p['seed']:4d} {100 * p['fm_gain_relative']:7.2f}% {f(p['tr'].get('solaris')):>12s} "
+                     f"{f(p['tr'].get('vm_kd')):>7s} {f(p['coverage']['any_tier']):>8s} "
+                     f"{f(p['coverage']['pair_of_ceiling']):>9s} {f(p['fm_per_row']):>6s}")
+    if report["summary"] and not any(p["tr_quoted"] for p in report["summary"]):
+        lines.append("(no TR quoted: the FM's gain over the VM is not above 0 at the 95% lower bound)")
+    for p in report.get("sweep", []):
+        lines.append(f"sweep: sequence share {p['sequence_share']:g}: FM gain {100 * p['fm_gain_relative']:.2f}%, "
+                     f"TR all tiers {f(p['tr'].get('solaris'))}, TR KD {f(p['tr'].get('vm_kd'))}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":          # re-render report.md and the plots from a report.json
-    import json
     import sys
-    from solaris_jobs.evaluation.run import _targets
+
+    from solaris_jobs.evaluation.targets import check_targets
     src = Path(sys.argv[1])
     rep = json.loads(src.read_text())
     apply_kd_rule(rep)                                # today's quoting rule on a report written before it
-    rep["targets"] = _targets(rep["summary"])       # a pure function of the summaries
+    rep["targets"] = check_targets(rep["summary"])  # a pure function of the summaries
     src.write_text(json.dumps(rep, indent=1) + "\n")
     print(write(rep, src.parent))
