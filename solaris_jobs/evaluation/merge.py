@@ -78,7 +78,8 @@ def _collect(parts: list[tuple[Path, dict]]) -> tuple[list, list, dict]:
     """(seed results by seed, sweep points, the part of each seed), once each part is checked against the first.
 
     Raises:
-        ReportMismatch: a part of another evaluation; a seed, a sweep point or the sweep's seed given twice.
+        ReportMismatch: a part of another evaluation; a seed or a sweep point given twice; sweep points of
+            more than one seed.
     """
     p0, r0 = parts[0]
     want = _comparable(r0)
