@@ -21,10 +21,10 @@ The settings are fixed here, before any run, and are the product's defaults exce
 
 ``--config evaluated`` (added 2026-12-04, after the default configuration's runs and before any run of its own)
 runs the same log, models and interval with the refresh settings the replay evaluation (#11) measured instead of
-the product's defaults: taken from ``solaris_jobs.evaluation.run``'s own ``EvalConfig`` and ``_settings`` (so they
-cannot drift): a budget of 0.5 FM pair inferences per served row over one global ranking by recency, the pool =
-pairs ranked in the last 24 h + 20 simulator candidates per active user + misses, no negative exclusion, the whole
-log as lookback, 24 h aggregate window; ``knn_requery all`` (the evaluation's default too). #13 asks that "its
+the product's defaults: taken from ``solaris_jobs.evaluation.config``'s own ``EvalConfig`` and ``refresh_settings``
+(so they cannot drift): a budget of 0.5 FM pair inferences per served row over one global ranking by recency, the
+pool = pairs ranked in the last 24 h + 20 simulator candidates per active user + misses, no negative exclusion, the
+whole log as lookback, 24 h aggregate window; ``knn_requery all`` (the evaluation's default too). #13 asks that "its
 budgeted candidate pool must scale too" and that outputs stay what the evaluation measured: this is that pool.
 Its figures go to ``scale_evaluated.json`` / ``.png``; the default configuration's stay in ``scale.json``.
 
@@ -86,9 +86,9 @@ def settings_for(config: str, data: Path, offline: Path, models: Path, master: s
     or ``evaluated`` (what the replay evaluation measured, from its own code)."""
     from solaris_jobs.core.settings import Settings, apply_flags
     if config == "evaluated":
-        from solaris_jobs.evaluation import run as ev
-        cfg = ev.EvalConfig()
-        s = ev._settings(cfg, data, offline, models, cfg.budget)
+        from solaris_jobs.evaluation.config import EvalConfig, refresh_settings
+        cfg = EvalConfig()
+        s = refresh_settings(cfg, data, offline, models, cfg.budget)
         return replace(s, spark_master=master, spark_log_level="WARN")
     return apply_flags(Settings(data=str(data), offline=str(offline), models=str(models), spark_master=master), {
         "precompute.active_hours": 24.0, "precompute.lookback_days": 30.0,

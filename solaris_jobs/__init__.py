@@ -1,7 +1,7 @@
 """SOLARIS: speculative precomputation of foundation-model embeddings for a fast ranker.
 
-The library is grouped by layer; a layer imports only the layers below it and no module-level import forms a cycle
-(``tests/test_layout.py`` checks):
+The library is grouped by layer; a layer imports only the layers below it and no import, inside functions too, forms a
+cycle (``tests/test_layout.py`` checks):
 
     core        settings, the event contract, the offline layout, model inputs, shared constants
     dev         local Airflow and free ports (dev only)                                     -> core

@@ -13,8 +13,10 @@ import pytest
 
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation import metrics
-from solaris_jobs.evaluation import run as ev
+from solaris_jobs.evaluation.config import EvalConfig, refresh_settings, ttls
 from solaris_jobs.evaluation.protocol import ModelsConfig
+from solaris_jobs.evaluation.run import evaluate
+from solaris_jobs.evaluation.targets import check_targets, sweep_point
 
 T0 = pd.Timestamp("2026-01-01T00:00:00Z")
 
@@ -53,7 +55,7 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     summary = {"seed": 0, "fm_gain_relative": 0.5, "tr_quoted": True, "fm_total_per_row": 0.5,
                "tr": {"solaris": 0.5, "vm_kd": -0.1}, "tr_ci": {"solaris": (0.5, 0.5), "vm_kd": (-0.1, -0.1)},
                "criterion": bad["criterion"], "coverage": {"pair_of_ceiling": 0.9, "any_tier": 0.95}}
-    targets = ev._targets([summary])
+    targets = check_targets([summary])
     assert targets["per_seed"][0]["tr_solaris_at_least_1.5x_kd"] is None
     assert targets["all_met"]["tr_solaris_at_least_1.5x_kd"] is None and targets["all_met"]["any_tier_at_least_90pct"]
     # The bootstrap resamples users, not rows: a resample holds all of a user's rows or none of them.
@@ -164,7 +166,7 @@ def test_the_budget_reach_ranks_and_selects_as_the_whole_pool(spark):
 
 # ------------------------------------------------------------------------------------------------ end to end
 
-TINY = ev.EvalConfig(
+TINY = EvalConfig(
     synth=SynthConfig(users=250, items=200, days=2, seed=3, calibration_users=250), seeds=(0,), sequence_shares=(),
     train_days=1.0, served_days=0.5, test_days=0.5, valid_hours=4.0, fm_valid_hours=4.0, cadence="6h",
     budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence="3h", fast_hours_before=6.0, fast_hours_after=6.0,
@@ -177,7 +179,7 @@ TINY = ev.EvalConfig(
 @pytest.fixture(scope="module")
 def tiny_eval(spark, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_a")
-    return out, ev.evaluate(TINY, out)
+    return out, evaluate(TINY, out)
 
 
 def _strip(obj):
@@ -291,8 +293,8 @@ def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, sp
     P = Protocol.from_dict(report["protocol"])
     models = model_refs.resolve(out / "seed0" / "models")
     root = out / "data-seq0.5"
-    s = ev._settings(TINY, root, tmp_path / "offline", out / "seed0" / "models", TINY.budget)
-    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ev._ttls(TINY))
+    s = refresh_settings(TINY, root, tmp_path / "offline", out / "seed0" / "models", TINY.budget)
+    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ttls(TINY))
     events = event_source.EventTable(events_mod.read_events(root))
     direct = replay.run(spark, s, events, models, plan, tmp_path / "direct")
     # The events' Spark copy is one partition per core, not one per Arrow batch of 10,000 rows (every step scans
@@ -313,7 +315,7 @@ def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, sp
 
 def test_same_seed_same_report(tiny_eval, tmp_path):
     out, report = tiny_eval
-    ev.evaluate(TINY, tmp_path / "b")
+    evaluate(TINY, tmp_path / "b")
     load = lambda d: json.loads((d / "report.json").read_text())
     assert _strip(load(tmp_path / "b")) == _strip(load(out))
     md = (out / "report.md").read_text()
@@ -448,8 +450,8 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
     from solaris_jobs.evaluation import report as rep
     share0 = a["config"]["synth"]["sequence_share"]
     c = copy.deepcopy(a)
-    point = ev._sweep_point(0.0, dict(a["per_seed"][0], seed=0), 0.0123)
-    c.update(seeds=[], summary=[], per_seed=[], sweep=[point], targets=ev._targets([]), complete=True)
+    point = sweep_point(0.0, dict(a["per_seed"][0], seed=0), 0.0123)
+    c.update(seeds=[], summary=[], per_seed=[], sweep=[point], targets=check_targets([]), complete=True)
     c["config"].update(seeds=[], sequence_shares=[0.0], curves=False)
     (tmp_path / "c").mkdir()
     rep.write(c, tmp_path / "c")

@@ -76,3 +76,46 @@ def test_validate_step_counts_bad_rows_and_stops_a_broken_interval(tmp_path):
                                          r"\(got '2'\)"):
         Settings.from_env({"SOLARIS_DATA": "x", "SOLARIS_OFFLINE": "x", "SOLARIS_MODELS": "x",
                            "SOLARIS_MAX_BAD_SHARE": "2"})
+
+
+def test_side_tables_read_from_an_s3a_data_root_as_from_the_local_one(synth_root, tmp_path, monkeypatch):
+    """An ``s3a://`` data root (a real S3-API server, moto, on loopback) gives the same side tables, and the training
+    loader the same side features, as the local root it was copied from (they were read from a local path built
+    from the URI: an empty table, silently). A side table that is missing is a FileNotFoundError naming the table
+    and its path, there and on a local root, and so is the training loader's read of that root."""
+    import numpy as np
+    import pyarrow.fs as pafs
+
+    from solaris_jobs.core import uris
+    from solaris_jobs.learning import training
+    from tests.support import S3Server
+    with S3Server(tmp_path / "s3") as s3:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        s3.bucket("solaris")
+        bucket = uris.filesystem("s3a://solaris")[0]
+        pafs.copy_files(str(synth_root), "solaris/data", pafs.LocalFileSystem(), bucket)
+        remote = "s3a://solaris/data"
+        for kind in ev.SIDE_TABLES:
+            local = ev.read_side(synth_root, kind)
+            assert len(local) == 300 and len(local.columns) > 1
+            pd.testing.assert_frame_equal(ev.read_side(remote, kind), local)
+        a = training.load_dataset(str(synth_root), history_len=5)
+        b = training.load_dataset(remote, history_len=5)
+        assert b.user_side == a.user_side and b.item_side == a.item_side and a.item_side["categorical"]
+        for side in ("user", "item"):
+            (cat_a, multi_a, vocab_a), (cat_b, multi_b, vocab_b) = a.tables[side], b.tables[side]
+            np.testing.assert_array_equal(cat_b, cat_a)
+            assert cat_a.any() and vocab_a is None and vocab_b is None and multi_b.keys() == multi_a.keys()
+            for c in multi_a:
+                np.testing.assert_array_equal(multi_b[c], multi_a[c])
+        bucket.delete_file("solaris/data/items.parquet")
+        missing = r"s3a://solaris/data/items\.parquet: the items side table is missing"
+        with pytest.raises(FileNotFoundError, match=missing):
+            ev.read_side(remote, "items")
+        with pytest.raises(FileNotFoundError, match=missing):
+            training.load_dataset(remote, history_len=5)
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}/users\.parquet: the users side table is missing"):
+        ev.read_side(tmp_path, "users")
+    with pytest.raises(ValueError, match="no side table 'user'"):
+        ev.read_side(synth_root, "user")

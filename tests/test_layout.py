@@ -1,6 +1,7 @@
 """The library's layers: a layer imports only the layers below it (every import, also those inside functions), none
-imports its entry points (DAGs, Spark scripts, the CLI), no module-level import cycles, the serving hot path loads
-no torch, the CLI module runs, and the module paths the README names are real."""
+imports its entry points (DAGs, Spark scripts, the CLI), no import cycles (imports inside functions included: a
+cycle hidden in a function is still a cycle; only imports under ``if TYPE_CHECKING``, which never run, are left
+out), the serving hot path loads no torch, the CLI module runs, and the module paths the README names are real."""
 from __future__ import annotations
 
 import ast
@@ -54,30 +55,27 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def imports(path: Path, module: str, top_level_only: bool = False) -> list[tuple[int, str]]:
-    """(line, imported module) of every import in a file; ``from a.b import c`` gives ``a.b.c`` (c may be a
-    submodule); with ``top_level_only``, the imports that run when the module is imported (not inside functions,
-    not under ``if TYPE_CHECKING``)."""
+def imports(path: Path, module: str, type_checking: bool = True) -> list[tuple[int, str]]:
+    """(line, imported module) of every import statement in a file, at module level or inside functions and
+    classes; ``from a.b import c`` gives ``a.b.c`` (c may be a submodule). Without ``type_checking``, the imports
+    under ``if TYPE_CHECKING`` (which never run) are left out."""
     tree = ast.parse(path.read_text(), str(path))
     is_pkg = path.name == "__init__.py"
     nodes = []
 
-    def walk(body, nested):
+    def walk(body):
         for n in body:
             if isinstance(n, (ast.Import, ast.ImportFrom)):
                 nodes.append(n)
-            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if not top_level_only:
-                    walk(n.body, True)
             elif isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING":
-                if not top_level_only:
-                    walk(n.body, nested)
-                walk(n.orelse, nested)
+                if type_checking:
+                    walk(n.body)
+                walk(n.orelse)
             else:
                 for field in ("body", "orelse", "finalbody", "handlers"):
-                    walk(getattr(n, field, []) or [], nested)
+                    walk(getattr(n, field, []) or [])
 
-    walk(tree.body, False)
+    walk(tree.body)
     out = []
     for n in nodes:
         if isinstance(n, ast.Import):
@@ -111,11 +109,13 @@ def violations(root: Path) -> list[str]:
 
 
 def cycles(root: Path) -> list[list[str]]:
+    """The import cycles between the modules under ``root``: the graph has an edge for every import statement that
+    can run (module level, inside functions or classes; not under ``if TYPE_CHECKING``)."""
     mods = modules(root)
     graph = {}
     for module, path in mods.items():
         deps = set()
-        for _, target in imports(path, module, top_level_only=True):
+        for _, target in imports(path, module, type_checking=False):
             while target and target not in mods:
                 target = target.rpartition(".")[0]
             if target and target != module and not module.startswith(target + "."):
@@ -148,6 +148,12 @@ def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
                     "solaris_jobs/core/a.py": "def f():\n    from solaris_jobs.online import reader\n",
                     "solaris_jobs/core/b.py": "from solaris_jobs.core import c\n",
                     "solaris_jobs/core/c.py": "from . import b\n",
+                    # A cycle through an import inside a function is a cycle; one under TYPE_CHECKING is not.
+                    "solaris_jobs/core/d.py": "class D:\n    def f(self):\n        from solaris_jobs.core import e\n",
+                    "solaris_jobs/core/e.py": "from solaris_jobs.core.d import D\n",
+                    "solaris_jobs/core/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                              "    from solaris_jobs.core import g\n",
+                    "solaris_jobs/core/g.py": "from solaris_jobs.core import f\n",
                     "solaris_jobs/online/__init__.py": "", "solaris_jobs/online/reader.py": "import models.vm\n",
                     "solaris_jobs/online/ranker.py": "import models.vm\n",
                     "solaris_jobs/flows/__init__.py": "",
@@ -159,7 +165,10 @@ def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
         "solaris_jobs/core/a.py:2: layer core imports solaris_jobs.online.reader (layer online)",
         "solaris_jobs/flows/demo.py:1: library module imports the entry point solaris_jobs.flows.cli",
         "solaris_jobs/online/reader.py:1: layer online imports models.vm (layer models)"]
-    assert cycles(tmp_path) == [["solaris_jobs.core.b", "solaris_jobs.core.c", "solaris_jobs.core.b"]]
+    # models.vm -> core.a -> (in a function) online.reader -> models.vm: a cycle, as are b-c and d-e; f-g is not.
+    assert cycles(tmp_path) == [["models.vm", "solaris_jobs.core.a", "solaris_jobs.online.reader", "models.vm"],
+                                ["solaris_jobs.core.b", "solaris_jobs.core.c", "solaris_jobs.core.b"],
+                                ["solaris_jobs.core.d", "solaris_jobs.core.e", "solaris_jobs.core.d"]]
 
 
 def test_the_serving_hot_path_loads_no_torch_spark_or_feast():

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from solaris_jobs.core import offline as layout
+from solaris_jobs.core import uris
 from solaris_jobs.online import feast_format as ff
 from solaris_jobs.online import store_config
 from solaris_jobs.online.materialize import materialize, materialized_intervals
@@ -560,7 +561,7 @@ def test_steps_outside_spark_on_an_s3_offline_store(ml_run, redis_server, tmp_pa
         for k, v in s3.env.items():
             monkeypatch.setenv(k, v)
         s3.bucket("solaris")
-        bucket, local_fs = layout.filesystem("s3a://solaris")[0], pafs.LocalFileSystem()
+        bucket, local_fs = uris.filesystem("s3a://solaris")[0], pafs.LocalFileSystem()
         for day in ("date=1998-02-28", "date=1998-03-01"):
             pafs.copy_files(f"{job.data}/events/{day}", f"solaris/data/events/{day}", local_fs, bucket)
         local = Settings(data=job.data, offline=str(tmp_path / "offline"), models=job.models,
@@ -582,7 +583,7 @@ def test_steps_outside_spark_on_an_s3_offline_store(ml_run, redis_server, tmp_pa
             m = rs.run_step(s, "materialize", ML_START, ML_END)
             assert rs.interval_complete(s, ML_END)
             r = rs.run_step(s, "report", a, b)
-            fs, misses = layout.filesystem(layout.misses_uri(s.offline))
+            fs, misses = uris.filesystem(layout.misses_uri(s.offline))
             drained = pq.ParquetDataset(misses, filesystem=fs).read().to_pandas().sort_values(["user_id", "item_id"])
             got[name] = {"validate": v, "drain": d, "dump": _dump(client), "report": r, "drained": drained,
                          "report_file": layout.read_report(s.offline, b),

@@ -15,9 +15,9 @@ vm_score           float32, nullable       the score the serving ranker gave, wh
 =================  ======================  ===========================================================
 
 On disk: ``<root>/events/date=YYYY-MM-DD/hour=HH/part-*.parquet`` (UTC), microsecond timestamps so that Spark
-reads them. Side tables live beside it: ``<root>/users.parquet`` and ``<root>/items.parquet`` (an id column plus
-integer categorical columns or ``list<int32>`` multi-valued columns), rows set aside in ``<root>/rejects/``.
-"""
+reads them. Side tables live beside it, both in every data set: ``<root>/users.parquet`` and ``<root>/items.parquet``
+(an id column plus integer categorical columns or ``list<int32>`` multi-valued columns), rows set aside in
+``<root>/rejects/``. The root may be a path or a URI (``s3a://``...): the readers open it through ``uris``."""
 from __future__ import annotations
 
 import datetime as dt
@@ -33,6 +33,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from solaris_jobs.core.uris import filesystem, join
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,6 @@ def events_dir(root: str | os.PathLike) -> Path:
 def events_uri(root: str | os.PathLike) -> str:
     """The event log's folder as a URI the readers take (a path, ``file://``, ``s3a://``...): ``Path`` would fold
     ``s3a://bucket`` into ``s3a:/bucket``."""
-    from solaris_jobs.core.offline import join
     return join(root, "events")
 
 
@@ -173,7 +174,6 @@ def read_events(root: str | os.PathLike, start=None, end=None, columns: list[str
     Raises:
         DataContractError: there is no event log under ``root``.
     """
-    from solaris_jobs.core.offline import filesystem
     base = events_uri(root)
     fs, path = filesystem(base)
     if fs.get_file_info(path).type != pafs.FileType.Directory:
@@ -217,7 +217,6 @@ def log_fingerprints(root: str | os.PathLike, ranges) -> list[str]:
     import hashlib
     import re
 
-    from solaris_jobs.core.offline import filesystem
     fs, base = filesystem(events_uri(root))
     if fs.get_file_info(base).type != pafs.FileType.Directory:
         raise DataContractError(f"{root}: no event log (expected {base}/date=YYYY-MM-DD/hour=HH/*.parquet)")
@@ -315,13 +314,26 @@ def read_manifest(root: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+SIDE_TABLES = ("users", "items")
+
+
 def read_side(root: str | os.PathLike, kind: str) -> pd.DataFrame:
-    """Reads the ``users`` or ``items`` side table (empty frame with just the id column if absent)."""
-    path = Path(root) / f"{kind}.parquet"
-    key = "user_id" if kind == "users" else "item_id"
-    if not path.exists():
-        return pd.DataFrame({key: pd.Series([], dtype="int64")})
-    return pq.read_table(path).to_pandas()
+    """Reads the ``users`` or ``items`` side table of a data root: a path or any URI ``uris.filesystem`` opens
+    (``s3a://``...), as the event log. Every data set has both (the contract; ``solaris data movielens`` and
+    ``solaris data synth`` write them): a source without side features writes the id column alone.
+
+    Raises:
+        FileNotFoundError: the side table is not there (the message names the table and its path).
+        ValueError: ``kind`` is not one of ``SIDE_TABLES``.
+    """
+    if kind not in SIDE_TABLES:
+        raise ValueError(f"no side table {kind!r} (the side tables are {', '.join(SIDE_TABLES)})")
+    uri = join(root, f"{kind}.parquet")
+    fs, path = filesystem(uri)
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        raise FileNotFoundError(f"{uri}: the {kind} side table is missing (a data root holds users.parquet and "
+                                "items.parquet beside events/)")
+    return pq.read_table(path, filesystem=fs).to_pandas()
 
 
 def split_intervals(start, end, every=None) -> list[tuple[pd.Timestamp, pd.Timestamp]]:

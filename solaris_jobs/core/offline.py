@@ -1,8 +1,8 @@
 """The offline store's layout, in one place: interval keys, paths, completeness, atomic publication, and the
 readers and writers every step uses (Spark jobs, the materializer, the report, the miss drain, the demo).
 
-Layout (``offline`` is a URI pyarrow opens and Spark writes: a path, ``file://``, ``s3a://`` (opened as
-``s3://`` outside Spark, with the standard AWS settings: credentials, ``AWS_ENDPOINT_URL``), ``gs://``,
+Layout (``offline`` is a URI pyarrow opens (``uris.filesystem``) and Spark writes: a path, ``file://``, ``s3a://``
+(opened as ``s3://`` outside Spark, with the standard AWS settings: credentials, ``AWS_ENDPOINT_URL``), ``gs://``,
 ``hdfs://`` (needs libhdfs)), one folder per interval end::
 
     <offline>/<dataset>/end=YYYYMMDDTHHMMSSZ/_PUBLISHED.<seq>.<id>       {"run": "<id>", ...}: the newest one counts
@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from dataclasses import dataclass
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.fs as pafs
+
+from solaris_jobs.core.events import to_utc
+from solaris_jobs.core.uris import filesystem, join
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +62,11 @@ STAGING = "_staging"
 
 def interval_key(end) -> str:
     """``end=YYYYMMDDTHHMMSSZ`` for an interval end (naive times are UTC)."""
-    from solaris_jobs.core.events import to_utc
     return "end=" + to_utc(end).strftime("%Y%m%dT%H%M%SZ")
 
 
 def parse_key(name: str) -> pd.Timestamp:
     return pd.Timestamp(pd.to_datetime(name.split("=", 1)[1], format="%Y%m%dT%H%M%SZ", utc=True))
-
-
-def join(base, *parts: str) -> str:
-    return "/".join([str(base).rstrip("/"), *parts])
 
 
 def dataset_uri(offline, dataset: str) -> str:
@@ -87,28 +84,6 @@ def misses_uri(offline) -> str:
 
 def report_uri(offline, end) -> str:
     return join(offline, "reports", interval_key(end), "report.json")
-
-
-def filesystem(uri) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow file system and path for a URI (``s3a://``/``s3n://`` as ``s3://``; plain paths are local).
-
-    Raises:
-        ValueError: a scheme pyarrow cannot open here (the message names it).
-    """
-    s = str(uri)
-    if "://" not in s and not s.startswith("file:"):
-        return pafs.LocalFileSystem(), os.path.abspath(s)
-    if s.startswith("file:") and not s.startswith("file://"):
-        s = "file://" + s[len("file:"):]                    # Hadoop's file:/abs
-    scheme, rest = s.split("://", 1)
-    if scheme == "file":
-        return pafs.LocalFileSystem(), rest
-    if scheme in ("s3a", "s3n"):
-        s = f"s3://{rest}"
-    try:
-        return pafs.FileSystem.from_uri(s)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
-        raise ValueError(f"{uri}: cannot open this file system outside Spark ({e})") from e
 
 
 def _exists(fs: pafs.FileSystem, path: str) -> bool:
@@ -236,7 +211,6 @@ def interval_ends(offline, dataset: str) -> list[pd.Timestamp]:
 def abandoned(offline, dataset: str, end) -> bool:
     """Whether an interval folder with no complete output is a dead writer's: nothing in it (the folder included,
     where the file system knows its time) younger than ``ORPHAN_AGE``."""
-    from solaris_jobs.core.events import to_utc
     fs, folder = filesystem(interval_uri(offline, dataset, end))
     old = pd.Timestamp.now(tz="UTC") - ORPHAN_AGE
     infos = [fs.get_file_info(folder), *fs.get_file_info(pafs.FileSelector(folder, recursive=True,
@@ -335,7 +309,6 @@ def _clean(fs: pafs.FileSystem, folder: str, keep: str, superseded: set, staging
     old = pd.Timestamp.now(tz="UTC") - ORPHAN_AGE
 
     def orphan(info) -> bool:
-        from solaris_jobs.core.events import to_utc
         return info.mtime is not None and to_utc(info.mtime) < old
 
     doomed = []
@@ -358,7 +331,6 @@ def _clean(fs: pafs.FileSystem, folder: str, keep: str, superseded: set, staging
 
 
 def _new_run(offline, dataset: str, end) -> Staged:
-    from solaris_jobs.core.events import to_utc
     end = to_utc(end)
     run = uuid.uuid4().hex[:12]
     folder = interval_uri(offline, dataset, end)

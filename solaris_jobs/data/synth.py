@@ -187,97 +187,175 @@ def _draw_pool_items(cfg, world, users, fav, keys_step, slots):
     return np.where(u_kind < 0.7, world.in_category(cats, u_item), world.popular(u_item))
 
 
+@dataclass
+class _Users:
+    """A chunk's users as the simulation goes, request by request (arrays indexed by the user's row)."""
+    ids: np.ndarray
+    side: dict              # ``_user_side``
+    pool: np.ndarray        # (n, pool_size): the item in each pool slot
+    heat: np.ndarray        # (n, pool_size): recent impressions of each pool slot, decaying (fatigue)
+    interest: np.ndarray    # (n, LATENT): the current interest, moved by clicks
+    t: np.ndarray           # the time of the next request (seconds from the start)
+    last_t: np.ndarray      # the time of the previous one
+    alive: np.ndarray       # whether the next request is before the horizon
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The ``step``-th request of every user still active."""
+    rows: np.ndarray        # their rows in ``_Users``
+    uid: np.ndarray
+    tt: np.ndarray          # its time
+    stepk: np.ndarray       # the step, per row (a key of the draws)
+    gap: np.ndarray         # seconds since the user's previous request
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """A request's candidates: ``n_pool`` pool slots (``pick``) and ``n_fresh`` popular items."""
+    pick: np.ndarray        # (r, n_pool): the pool slots shown
+    pool_heat: np.ndarray   # (r, n_pool): their fatigue before this request
+    items: np.ndarray       # (r, K): 0-based item indices
+    item_heat: np.ndarray   # (r, K): fatigue of each candidate (0 for the popular ones)
+
+
+def _start_users(cfg: SynthConfig, world: _World, lo: int, hi: int) -> _Users:
+    """Users lo+1..hi (ids are 1-based) before their first request: side features, pools, first request times."""
+    ids = np.arange(lo + 1, hi + 1, dtype=np.int64)
+    side = _user_side(cfg, ids, world)
+    n = len(ids)
+    pool = _draw_pool_items(cfg, world, ids, side["fav"], np.full(n, 0xFFFF), np.arange(cfg.pool_size))   # (n, P)
+    # First request: the user's session process is already running at the start (memoryless).
+    t = -np.log1p(-_uniform(cfg.seed, 30, ids)) / side["rate"] * 86400.0
+    return _Users(ids, side, pool, np.zeros((n, cfg.pool_size)), np.zeros((n, LATENT)), t, t.copy(),
+                  t < cfg.days * 86400.0)
+
+
+def _drift_pools(cfg: SynthConfig, world: _World, users: _Users, req: _Request) -> None:
+    """Slow pool drift: each slot replaced with probability 1 - exp(-gap / half-life) (a new slot is not
+    fatigued); the fatigue of the others cools since the previous request."""
+    rows, slots = req.rows, np.arange(cfg.pool_size)
+    p_rep = 1.0 - np.exp(-req.gap / (cfg.pool_half_life_days * 86400.0) * math.log(2))
+    rep = _uniform(cfg.seed, 40, req.uid[:, None], req.stepk[:, None], slots[None, :]) < p_rep[:, None]
+    cool = np.exp(-req.gap / (cfg.fatigue_half_life_hours * 3600.0) * math.log(2))
+    users.heat[rows] *= cool[:, None]
+    if rep.any():
+        fresh_pool = _draw_pool_items(cfg, world, req.uid, users.side["fav"][rows], req.stepk, slots)
+        users.pool[rows] = np.where(rep, fresh_pool, users.pool[rows])
+        users.heat[rows] = np.where(rep, 0.0, users.heat[rows])
+
+
+def _candidates(cfg: SynthConfig, world: _World, users: _Users, req: _Request) -> _Candidates:
+    """Candidates: n_pool distinct pool slots + n_fresh popular items."""
+    s = cfg.seed
+    keys = _uniform(s, 41, req.uid[:, None], req.stepk[:, None], np.arange(cfg.pool_size)[None, :])
+    pick = np.argsort(keys, axis=1)[:, : cfg.n_pool]                                       # (r, n_pool)
+    pool_items = np.take_along_axis(users.pool[req.rows], pick, axis=1)
+    pool_heat = np.take_along_axis(users.heat[req.rows], pick, axis=1)
+    fresh = world.popular(_uniform(s, 42, req.uid[:, None], req.stepk[:, None], np.arange(cfg.n_fresh)[None, :]))
+    return _Candidates(pick, pool_heat, np.concatenate([pool_items, fresh], axis=1),          # (r, K)
+                       np.concatenate([pool_heat, np.zeros(fresh.shape)], axis=1))
+
+
+def _clicks(cfg: SynthConfig, world: _World, calib: Calibration, users: _Users, req: _Request,
+            cand: _Candidates, raw: list | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The hidden click model: a static part (ids and side features can learn it) and a sequence part.
+
+    Returns:
+        (clicks (r, K) bool, the candidates' vectors (r, K, LATENT), the users' interest decayed to now).
+    """
+    a_s = cfg.signal_scale * math.sqrt(1.0 - cfg.sequence_share)
+    a_d = cfg.signal_scale * math.sqrt(cfg.sequence_share)
+    v = world.vec[cand.items]                                                              # (r, K, LATENT)
+    decay = np.exp(-req.gap / (cfg.interest_half_life_hours * 3600.0) * math.log(2))
+    cur_interest = users.interest[req.rows] * decay[:, None]
+    aff = np.einsum("rkd,rd->rk", v, users.side["vec"][req.rows])
+    cur = np.einsum("rkd,rd->rk", v, cur_interest)
+    static = 1.6 * np.tanh(1.5 * aff) + 0.35 * world.pop_z[cand.items]
+    seq = 3.0 * np.maximum(cur, 0.0) - 0.45 * np.log1p(cand.item_heat) * (1.0 + (aff < 0))
+    if raw is not None:
+        raw.append((static.ravel(), seq.ravel()))
+    logit = (calib.bias + a_s * (static - calib.mu_s) / calib.sd_s + a_d * (seq - calib.mu_d) / calib.sd_d)
+    k_cand = cfg.n_pool + cfg.n_fresh
+    y = _uniform(cfg.seed, 43, req.uid[:, None], req.stepk[:, None], np.arange(k_cand)[None, :]) < 1.0 / (
+        1.0 + np.exp(-logit))
+    return y, v, cur_interest
+
+
+def _after_clicks(users: _Users, req: _Request, cand: _Candidates, y: np.ndarray, v: np.ndarray,
+                  cur_interest: np.ndarray) -> None:
+    """State updates: interest moves toward the clicked items, shown pool slots warm up (fatigue)."""
+    rows = req.rows
+    clicked = y.sum(axis=1)
+    mean_clicked = np.einsum("rk,rkd->rd", y, v) / np.maximum(clicked, 1)[:, None]
+    users.interest[rows] = np.where(clicked[:, None] > 0, 0.5 * cur_interest + 0.5 * mean_clicked, cur_interest)
+    sub = users.heat[rows]
+    np.put_along_axis(sub, cand.pick, cand.pool_heat + 1.0, axis=1)
+    users.heat[rows] = sub
+
+
+def _next_requests(cfg: SynthConfig, users: _Users, req: _Request) -> None:
+    """Next request: same session minutes later, or a new session hours to days later."""
+    s, rows, tt = cfg.seed, req.rows, req.tt
+    users.last_t[rows] = tt
+    cont = _uniform(s, 44, req.uid, req.stepk) < cfg.p_continue
+    e = -np.log1p(-_uniform(s, 45, req.uid, req.stepk))
+    nxt = tt + np.where(cont, e * cfg.request_gap_minutes * 60.0, e / users.side["rate"][rows] * 86400.0)
+    users.t[rows] = nxt
+    users.alive[rows] = nxt < cfg.days * 86400.0
+
+
+EVENT_COLUMNS = ("user_id", "item_id", "event_timestamp", "label", "request_id")
+
+
+def _log_request(out: dict, step: int, req: _Request, cand: _Candidates, y: np.ndarray) -> None:
+    """Appends a request's rows (one per candidate) to ``out``'s columns (``event_timestamp`` in seconds)."""
+    k_cand = cand.items.shape[1]
+    out["user_id"].append(np.repeat(req.uid, k_cand))
+    out["item_id"].append(cand.items.ravel() + 1)
+    out["event_timestamp"].append(np.repeat(req.tt, k_cand))
+    out["label"].append(y.ravel())
+    out["request_id"].append(np.repeat(req.uid * 65536 + step, k_cand))
+
+
+def _events_table(cfg: SynthConfig, out: dict) -> pa.Table:
+    """The logged rows as a table in the event-log contract."""
+    if not out["user_id"]:
+        return ev.conform(pd.DataFrame({c: pd.Series(dtype="int64") for c in ["user_id", "item_id"]})
+                          .assign(event_timestamp=pd.Series(dtype="datetime64[us, UTC]")))
+    start_us = ev.to_utc(cfg.start).value // 1000
+    ts_us = start_us + np.floor(np.concatenate(out["event_timestamp"]) * 1e6).astype(np.int64)
+    table = pa.table({
+        "user_id": np.concatenate(out["user_id"]),
+        "item_id": np.concatenate(out["item_id"]),
+        "event_timestamp": pa.array(ts_us, pa.timestamp("us", tz="UTC")),
+        "label": np.concatenate(out["label"]).astype(np.int8),
+        "request_id": np.concatenate(out["request_id"]),
+    })
+    return ev.conform(table)
+
+
 def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int, calib: Calibration,
                     raw: list | None = None) -> pa.Table:
     """Simulates users lo+1..hi (ids are 1-based) and returns their events.
 
     ``raw``: when a list, the (static, sequence) parts of every row's logit are appended to it (the calibration).
     """
-    s = cfg.seed
-    ids = np.arange(lo + 1, hi + 1, dtype=np.int64)
-    side = _user_side(cfg, ids, world)
-    n = len(ids)
-    horizon = cfg.days * 86400.0
-    slots = np.arange(cfg.pool_size)
-    pool = _draw_pool_items(cfg, world, ids, side["fav"], np.full(n, 0xFFFF), slots)     # (n, P)
-    heat = np.zeros((n, cfg.pool_size))            # recent impressions of each pool slot, decaying (fatigue)
-    interest = np.zeros((n, LATENT))
-    a_s = cfg.signal_scale * math.sqrt(1.0 - cfg.sequence_share)
-    a_d = cfg.signal_scale * math.sqrt(cfg.sequence_share)
-    # First request: the user's session process is already running at the start (memoryless).
-    t = -np.log1p(-_uniform(s, 30, ids)) / side["rate"] * 86400.0
-    last_t = t.copy()
-    alive = t < horizon
-    k_cand = cfg.n_pool + cfg.n_fresh
-    out_u, out_i, out_t, out_y, out_r = [], [], [], [], []
+    users = _start_users(cfg, world, lo, hi)
+    out = {c: [] for c in EVENT_COLUMNS}
     for step in range(cfg.max_requests):
-        rows = np.flatnonzero(alive)
+        rows = np.flatnonzero(users.alive)
         if rows.size == 0:
             break
-        uid, tt = ids[rows], t[rows]
-        stepk = np.full(rows.size, step)
-        gap = tt - last_t[rows]
-        # Slow pool drift: each slot replaced with probability 1 - exp(-gap / half-life).
-        p_rep = 1.0 - np.exp(-gap / (cfg.pool_half_life_days * 86400.0) * math.log(2))
-        rep = _uniform(s, 40, uid[:, None], stepk[:, None], slots[None, :]) < p_rep[:, None]
-        cool = np.exp(-gap / (cfg.fatigue_half_life_hours * 3600.0) * math.log(2))
-        heat[rows] *= cool[:, None]
-        if rep.any():
-            fresh_pool = _draw_pool_items(cfg, world, uid, side["fav"][rows], stepk, slots)
-            pool[rows] = np.where(rep, fresh_pool, pool[rows])
-            heat[rows] = np.where(rep, 0.0, heat[rows])
-        # Candidates: n_pool distinct pool slots + n_fresh popular items.
-        keys = _uniform(s, 41, uid[:, None], stepk[:, None], slots[None, :])
-        pick = np.argsort(keys, axis=1)[:, : cfg.n_pool]                                   # (r, n_pool)
-        pool_items = np.take_along_axis(pool[rows], pick, axis=1)
-        pool_heat = np.take_along_axis(heat[rows], pick, axis=1)
-        fresh = world.popular(_uniform(s, 42, uid[:, None], stepk[:, None], np.arange(cfg.n_fresh)[None, :]))
-        items = np.concatenate([pool_items, fresh], axis=1)                                # (r, K)
-        item_heat = np.concatenate([pool_heat, np.zeros(fresh.shape)], axis=1)
-        # Hidden click model: a static part (ids and side features can learn it) and a sequence part.
-        v = world.vec[items]                                                               # (r, K, LATENT)
-        decay = np.exp(-gap / (cfg.interest_half_life_hours * 3600.0) * math.log(2))
-        cur_interest = interest[rows] * decay[:, None]
-        aff = np.einsum("rkd,rd->rk", v, side["vec"][rows])
-        cur = np.einsum("rkd,rd->rk", v, cur_interest)
-        static = 1.6 * np.tanh(1.5 * aff) + 0.35 * world.pop_z[items]
-        seq = 3.0 * np.maximum(cur, 0.0) - 0.45 * np.log1p(item_heat) * (1.0 + (aff < 0))
-        if raw is not None:
-            raw.append((static.ravel(), seq.ravel()))
-        logit = (calib.bias + a_s * (static - calib.mu_s) / calib.sd_s + a_d * (seq - calib.mu_d) / calib.sd_d)
-        y = _uniform(s, 43, uid[:, None], stepk[:, None], np.arange(k_cand)[None, :]) < 1.0 / (1.0 + np.exp(-logit))
-        # State updates: interest moves toward the clicked items, shown pool slots warm up (fatigue).
-        clicked = y.sum(axis=1)
-        mean_clicked = np.einsum("rk,rkd->rd", y, v) / np.maximum(clicked, 1)[:, None]
-        interest[rows] = np.where(clicked[:, None] > 0, 0.5 * cur_interest + 0.5 * mean_clicked, cur_interest)
-        sub = heat[rows]
-        np.put_along_axis(sub, pick, pool_heat + 1.0, axis=1)
-        heat[rows] = sub
-        out_u.append(np.repeat(uid, k_cand))
-        out_i.append(items.ravel() + 1)
-        out_t.append(np.repeat(tt, k_cand))
-        out_y.append(y.ravel())
-        out_r.append(np.repeat(uid * 65536 + step, k_cand))
-        # Next request: same session minutes later, or a new session hours to days later.
-        last_t[rows] = tt
-        cont = _uniform(s, 44, uid, stepk) < cfg.p_continue
-        e = -np.log1p(-_uniform(s, 45, uid, stepk))
-        nxt = tt + np.where(cont, e * cfg.request_gap_minutes * 60.0, e / side["rate"][rows] * 86400.0)
-        t[rows] = nxt
-        alive[rows] = nxt < horizon
-    start_us = ev.to_utc(cfg.start).value // 1000
-    if not out_u:
-        return ev.conform(pd.DataFrame({c: pd.Series(dtype="int64") for c in ["user_id", "item_id"]})
-                          .assign(event_timestamp=pd.Series(dtype="datetime64[us, UTC]")))
-    ts_us = start_us + np.floor(np.concatenate(out_t) * 1e6).astype(np.int64)
-    table = pa.table({
-        "user_id": np.concatenate(out_u),
-        "item_id": np.concatenate(out_i),
-        "event_timestamp": pa.array(ts_us, pa.timestamp("us", tz="UTC")),
-        "label": np.concatenate(out_y).astype(np.int8),
-        "request_id": np.concatenate(out_r),
-    })
-    return ev.conform(table)
+        tt = users.t[rows]
+        req = _Request(rows, users.ids[rows], tt, np.full(rows.size, step), tt - users.last_t[rows])
+        _drift_pools(cfg, world, users, req)
+        cand = _candidates(cfg, world, users, req)
+        y, v, cur_interest = _clicks(cfg, world, calib, users, req, cand, raw)
+        _after_clicks(users, req, cand, y, v, cur_interest)
+        _log_request(out, step, req, cand, y)
+        _next_requests(cfg, users, req)
+    return _events_table(cfg, out)
 
 
 def _solve_bias(offset: np.ndarray, rate: float) -> float:

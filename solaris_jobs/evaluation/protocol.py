@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 # once, a seed's models came through this cache from training code older than the run's (BENCHMARKS.md, #11).
 MODEL_CODE = ("models", "solaris_jobs.core", "solaris_jobs.learning.training", "solaris_jobs.pipeline.model_refs")
 REPLAY_CODE = MODEL_CODE + ("solaris_jobs.pipeline", "solaris_jobs.online", "solaris_jobs.learning.replay",
-                            "solaris_jobs.data.requests", "solaris_jobs.evaluation.run",
-                            "solaris_jobs.evaluation.curves")
+                            "solaris_jobs.data.requests", "solaris_jobs.evaluation.config",
+                            "solaris_jobs.evaluation.replays", "solaris_jobs.evaluation.curves")
 VARIANT_CODE = MODEL_CODE + ("solaris_jobs.evaluation.variants",)
 _LOADED: dict[tuple, str] = {}
 

@@ -1,7 +1,9 @@
-"""The evaluation's readable report beside ``report.json``: ``report.md`` with PNG plots (matplotlib, Agg), and
-``report.html``, the same report as one self-contained page (the table and the plots inline, nothing to fetch)."""
+"""The evaluation's report: ``report.json``, and beside it the readable ``report.md`` with PNG plots (matplotlib,
+Agg) and ``report.html``, the same report as one self-contained page (the table and the plots inline, nothing to
+fetch); and the few lines a terminal shows of it (``headline_table``)."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -35,81 +37,104 @@ def _ci(ci, nd=3) -> str:
 
 
 def _plots(report: dict, out: Path) -> dict:
+    """The report's figures, written under ``out``: {name: file name}, in the order the report shows them."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    files = {}
     if not report["per_seed"]:          # a sweep run alone (``--seeds none``): its table is the report
-        return files
+        return {}
     first = report["per_seed"][0]
-    cov = first["headline"]["coverage"]
-
-    # 1. Tier shares over time (served training day and test day), seed 0.
-    per = cov["served_training"].get("per_interval", []) + cov["test"].get("per_interval", [])
-    if per:
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        x = np.arange(len(per))
-        bottom = np.zeros(len(per))
-        for t in TIERS:
-            v = np.array([p[t] for p in per])
-            ax.bar(x, v, bottom=bottom, width=1.0, label=t)
-            bottom += v
-        n_train = len(cov["served_training"].get("per_interval", []))
-        ax.axvline(n_train - 0.5, color="k", lw=1)
-        ax.text(n_train, 1.02, "test", fontsize=8)
-        ax.set_ylim(0, 1.08)
-        files["tiers_over_time"] = _finish(fig, ax, out / "tiers_over_time.png",
-                                           "Tier served per row, through FeatureReader (seed %d)" % first["seed"],
-                                           f"refresh interval from t1 ({report['config']['cadence']} each)",
-                                           "share of served rows", fontsize=7, ncol=4, loc="lower right")
-
     curves = first.get("curves")
+    files = {"tiers_over_time": _plot_tiers_over_time(report, first, out)}
     if curves and curves.get("budget"):
-        pts = curves["budget"]
-        fmr = [p["fm"]["per_row"] for p in pts]
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot(fmr, [p["coverage"]["shares"]["pair"] for p in pts], "o-", label="pair tier")
-        ax.plot(fmr, [p["coverage"]["any_tier"] for p in pts], "s-", label="any tier")
-        ax.plot(fmr, [p["coverage"]["ceiling"] for p in pts], "k--", lw=1, label="pair ceiling")
-        if all(x and x > 0 for x in fmr):
-            ax.set_xscale("log", base=2)
-        files["coverage_vs_budget"] = _finish(fig, ax, out / "coverage_vs_budget.png", "Coverage vs FM compute",
-                                              "FM inferences per served row", "share of test rows")
+        files["coverage_vs_budget"] = _plot_coverage_vs_budget(curves["budget"], out)
+        files["tr_vs_coverage"] = _plot_tr_vs_coverage(curves["budget"], out)
+    files["coverage_vs_cadence"] = _plot_coverage_vs_cadence(curves, out)
+    files["tr_per_variant"] = _plot_tr_per_variant(report, out)
+    return {k: f for k, f in files.items() if f is not None}
 
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        tr = [p["solaris"]["tr"] for p in pts]
-        ok = [t is not None for t in tr]
-        if any(ok):
-            xs = [p["coverage"]["any_tier"] for p, o in zip(pts, ok) if o]
-            ys = [t for t in tr if t is not None]
-            lo = [p["solaris"]["tr_ci"][0] for p, o in zip(pts, ok) if o]
-            hi = [p["solaris"]["tr_ci"][1] for p, o in zip(pts, ok) if o]
-            ax.errorbar(xs, ys, yerr=[np.array(ys) - lo, np.array(hi) - ys], fmt="o-", capsize=3, label="all tiers")
-            xp = [p["coverage"]["shares"]["pair"] for p, o in zip(pts, ok) if o]
-            ax.plot(xp, ys, "x:", label="(same points vs pair coverage)")
-            for p, x, y in zip([p for p, o in zip(pts, ok) if o], xs, ys):
-                ax.annotate(f"{p['budget_per_row']:g}/row", (x, y), fontsize=7)
-        files["tr_vs_coverage"] = _finish(fig, ax, out / "tr_vs_coverage.png",
-                                          "Transfer ratio vs coverage (budget curve)", "coverage of test rows",
-                                          "TR (BCE)")
 
+def _plot_tiers_over_time(report: dict, first: dict, out: Path) -> str | None:
+    """Tier shares over time (served training day and test day) of the first seed; None without intervals."""
+    import matplotlib.pyplot as plt
+    cov = first["headline"]["coverage"]
+    per = cov["served_training"].get("per_interval", []) + cov["test"].get("per_interval", [])
+    if not per:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    x = np.arange(len(per))
+    bottom = np.zeros(len(per))
+    for t in TIERS:
+        v = np.array([p[t] for p in per])
+        ax.bar(x, v, bottom=bottom, width=1.0, label=t)
+        bottom += v
+    n_train = len(cov["served_training"].get("per_interval", []))
+    ax.axvline(n_train - 0.5, color="k", lw=1)
+    ax.text(n_train, 1.02, "test", fontsize=8)
+    ax.set_ylim(0, 1.08)
+    return _finish(fig, ax, out / "tiers_over_time.png",
+                   "Tier served per row, through FeatureReader (seed %d)" % first["seed"],
+                   f"refresh interval from t1 ({report['config']['cadence']} each)",
+                   "share of served rows", fontsize=7, ncol=4, loc="lower right")
+
+
+def _plot_coverage_vs_budget(pts: list[dict], out: Path) -> str:
+    """Pair and any-tier coverage, and the pair ceiling, against FM inferences per served row (the budget curve)."""
+    import matplotlib.pyplot as plt
+    fmr = [p["fm"]["per_row"] for p in pts]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(fmr, [p["coverage"]["shares"]["pair"] for p in pts], "o-", label="pair tier")
+    ax.plot(fmr, [p["coverage"]["any_tier"] for p in pts], "s-", label="any tier")
+    ax.plot(fmr, [p["coverage"]["ceiling"] for p in pts], "k--", lw=1, label="pair ceiling")
+    if all(x and x > 0 for x in fmr):
+        ax.set_xscale("log", base=2)
+    return _finish(fig, ax, out / "coverage_vs_budget.png", "Coverage vs FM compute",
+                   "FM inferences per served row", "share of test rows")
+
+
+def _plot_tr_vs_coverage(pts: list[dict], out: Path) -> str:
+    """The all-tiers VM's TR with its interval against coverage, one point per budget of the curve."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    tr = [p["solaris"]["tr"] for p in pts]
+    ok = [t is not None for t in tr]
+    if any(ok):
+        xs = [p["coverage"]["any_tier"] for p, o in zip(pts, ok) if o]
+        ys = [t for t in tr if t is not None]
+        lo = [p["solaris"]["tr_ci"][0] for p, o in zip(pts, ok) if o]
+        hi = [p["solaris"]["tr_ci"][1] for p, o in zip(pts, ok) if o]
+        ax.errorbar(xs, ys, yerr=[np.array(ys) - lo, np.array(hi) - ys], fmt="o-", capsize=3, label="all tiers")
+        xp = [p["coverage"]["shares"]["pair"] for p, o in zip(pts, ok) if o]
+        ax.plot(xp, ys, "x:", label="(same points vs pair coverage)")
+        for p, x, y in zip([p for p, o in zip(pts, ok) if o], xs, ys):
+            ax.annotate(f"{p['budget_per_row']:g}/row", (x, y), fontsize=7)
+    return _finish(fig, ax, out / "tr_vs_coverage.png", "Transfer ratio vs coverage (budget curve)",
+                   "coverage of test rows", "TR (BCE)")
+
+
+def _plot_coverage_vs_cadence(curves: dict | None, out: Path) -> str | None:
+    """Pair and any-tier coverage per cadence (the fast cadence's replay where there is one, else the cadence
+    curve); None without either."""
+    import matplotlib.pyplot as plt
     fc = None
     if curves and curves.get("fast_cadence"):
         fc = curves["fast_cadence"]["coverage"]
     elif curves and curves.get("cadence"):
         fc = {p["cadence"]: p["coverage"] for p in curves["cadence"]}
-    if fc:
-        names = list(fc)
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        x = np.arange(len(names))
-        ax.bar(x - 0.2, [fc[n]["shares"]["pair"] for n in names], 0.4, label="pair tier")
-        ax.bar(x + 0.2, [fc[n]["any_tier"] for n in names], 0.4, label="any tier")
-        ax.set_xticks(x, names)
-        files["coverage_vs_cadence"] = _finish(fig, ax, out / "coverage_vs_cadence.png",
-                                               "Coverage vs cadence (same budget per served row)",
-                                               "refresh cadence (same budget per served row)", "share of rows")
+    if not fc:
+        return None
+    names = list(fc)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [fc[n]["shares"]["pair"] for n in names], 0.4, label="pair tier")
+    ax.bar(x + 0.2, [fc[n]["any_tier"] for n in names], 0.4, label="any tier")
+    ax.set_xticks(x, names)
+    return _finish(fig, ax, out / "coverage_vs_cadence.png", "Coverage vs cadence (same budget per served row)",
+                   "refresh cadence (same budget per served row)", "share of rows")
 
-    # TR per variant with intervals, every seed.
+
+def _plot_tr_per_variant(report: dict, out: Path) -> str:
+    """TR per variant with intervals, every seed."""
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 3.6))
     names = [v for v in ORDER if v not in ("vm", "fm", "base_rate")]
     for j, r in enumerate(report["per_seed"]):
@@ -124,9 +149,8 @@ def _plots(report: dict, out: Path) -> dict:
                         label=f"seed {r['seed']}" if n == names[0] else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(np.arange(len(names)), [SHORT[n] for n in names], rotation=25, ha="right", fontsize=7)
-    files["tr_per_variant"] = _finish(fig, ax, out / "tr_per_variant.png", "Transfer ratio per variant (test)",
-                                      None, "TR (BCE), 95% interval", fontsize=7)
-    return files
+    return _finish(fig, ax, out / "tr_per_variant.png", "Transfer ratio per variant (test)", None,
+                   "TR (BCE), 95% interval", fontsize=7)
 
 
 def _finish(fig, ax, path: Path, title: str, xlabel: str | None, ylabel: str, **legend) -> str:
@@ -153,25 +177,47 @@ def _across_seeds(summary: list[dict]):
 
 
 def markdown(report: dict, files: dict) -> str:
+    """``report.md``: its sections in order, each from the part of the report it shows."""
+    first = report["per_seed"][0] if report["per_seed"] else {}
+    L = _md_protocol(report) + _md_targets(report) + ["", "## Test results per seed"]
+    for r in report["per_seed"]:
+        L += _md_seed(r)
+    if first.get("curves"):
+        L += _md_curves(report, first)
+    if first.get("secondary_t1_only"):
+        L += _md_secondary(first)
+    if first.get("kd_grid_check"):
+        L += _md_kd_grid_check(first)
+    if report.get("sweep"):
+        L += _md_sweep(report)
+    for n in report.get("notes", []):
+        L += ["", f"**Note:** {n}."]
+    L += _md_plots(report, files)
+    return "\n".join(L) + "\n"
+
+
+def _md_protocol(report: dict) -> list[str]:
+    """The title and the protocol in one paragraph: dates, seeds, the headline's settings."""
     cfg, P = report["config"], report["protocol"]
-    L = [f"# SOLARIS replay evaluation: {report['dataset']}", ""]
-    L.append(f"Protocol: FM, autoencoder and verifier trained on [{P['t0']}, {P['t1']}) (early stopping from "
-             f"{P['fm_valid_from']}); replay of [{P['t1']}, {P['t3']}) every {cfg['cadence']}; VMs trained on "
-             f"[{P['t0']}, {P['valid_from']}), validated on [{P['valid_from']}, {P['t2']}), tested on "
-             f"[{P['t2']}, {P['t3']}). Seeds {report['seeds']}. Headline: budget {cfg['budget']} FM inferences "
-             f"per served row, TTLs pair {cfg['ttl_pair']} / aggregate {cfg['ttl_aggregate']} / neighbour "
-             f"{cfg['ttl_neighbour']}, pool = pairs ranked in the last {cfg['recent_hours']:g} h + "
-             f"{cfg['n_candidates']} simulator candidates per active user + misses, priority "
-             f"{cfg['select_priority']}, visibility delay {cfg['delay']}.")
-    L.append("")
-    L.append("## Targets")
-    L.append("")
-    t = report["targets"]
-    L.append("| seed | FM beats VM >= 2% | TR(all tiers) >= 0.3 | TR >= 1.5 x TR(KD) (paired bound) | "
-             "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row (pairs + user embeddings) |")
-    L.append("|---|---|---|---|---|---|---|")
+    return [f"# SOLARIS replay evaluation: {report['dataset']}", "",
+            f"Protocol: FM, autoencoder and verifier trained on [{P['t0']}, {P['t1']}) (early stopping from "
+            f"{P['fm_valid_from']}); replay of [{P['t1']}, {P['t3']}) every {cfg['cadence']}; VMs trained on "
+            f"[{P['t0']}, {P['valid_from']}), validated on [{P['valid_from']}, {P['t2']}), tested on "
+            f"[{P['t2']}, {P['t3']}). Seeds {report['seeds']}. Headline: budget {cfg['budget']} FM inferences "
+            f"per served row, TTLs pair {cfg['ttl_pair']} / aggregate {cfg['ttl_aggregate']} / neighbour "
+            f"{cfg['ttl_neighbour']}, pool = pairs ranked in the last {cfg['recent_hours']:g} h + "
+            f"{cfg['n_candidates']} simulator candidates per active user + misses, priority "
+            f"{cfg['select_priority']}, visibility delay {cfg['delay']}."]
+
+
+def _md_targets(report: dict) -> list[str]:
+    """## Targets: each target per seed, the headline numbers across seeds, the parts a merged report joins."""
+    L = ["", "## Targets", "",
+         "| seed | FM beats VM >= 2% | TR(all tiers) >= 0.3 | TR >= 1.5 x TR(KD) (paired bound) | "
+         "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row (pairs + user embeddings) |",
+         "|---|---|---|---|---|---|---|"]
     yes = lambda b: "n/a: KD's TR interval reaches 0" if b is None else ("yes" if b else "**no**")
-    for p in t["per_seed"]:
+    for p in report["targets"]["per_seed"]:
         L.append(f"| {p['seed']} | {yes(p['fm_beats_vm_by_2pct'])} | {yes(p['tr_solaris_at_least_0.3'])} | "
                  f"{yes(p['tr_solaris_at_least_1.5x_kd'])} | {yes(p['pair_at_least_80pct_of_ceiling'])} | "
                  f"{yes(p['any_tier_at_least_90pct'])} | {yes(p['fm_per_row_at_most_1'])} |")
@@ -183,140 +229,167 @@ def markdown(report: dict, files: dict) -> str:
         L += ["", "Merged (`solaris evaluate-merge`) from " + "; ".join(
             f"{m['path']} (seeds {m['seeds']}{', sweep ' + str(m['sweep']) if m['sweep'] else ''})"
             for m in report["merged_from"]) + "."]
-    L.append("")
-    L.append("## Test results per seed")
-    for r in report["per_seed"]:
-        h = r["headline"]
-        te = h["test"]
-        L.append("")
-        L.append(f"### Seed {r['seed']}: {te['rows']} test rows, {te['users']} users "
-                 f"({h['returning_test_users']} returning); FM - VM gap {_f(te['gap']['value'], 5)}"
-                 f"{_ci(te['gap']['ci'], 5)} ({100 * te['gap']['relative']:.2f}% of VM BCE); "
-                 f"TR quoted: {te['tr_quoted']}")
-        L.append("")
-        L.append("| variant | test BCE [95%] | AUC | TR [95%] |")
-        L.append("|---|---|---|---|")
-        for n in ORDER:
-            v = te["variants"].get(n)
-            if v is None:
+    return L
+
+
+def _md_seed(r: dict) -> list[str]:
+    """### Seed n: the variants' test results, coverage and cost, tier shares, TR per tier and segment."""
+    h = r["headline"]
+    te = h["test"]
+    L = ["", f"### Seed {r['seed']}: {te['rows']} test rows, {te['users']} users "
+             f"({h['returning_test_users']} returning); FM - VM gap {_f(te['gap']['value'], 5)}"
+             f"{_ci(te['gap']['ci'], 5)} ({100 * te['gap']['relative']:.2f}% of VM BCE); "
+             f"TR quoted: {te['tr_quoted']}",
+         "", "| variant | test BCE [95%] | AUC | TR [95%] |", "|---|---|---|---|"]
+    for n in ORDER:
+        v = te["variants"].get(n)
+        if v is None:
+            continue
+        L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['auc'], 4)} | "
+                 f"{_f(v['tr'], 3)}{_ci(v['tr_ci'])} |")
+    c = te.get("criterion")
+    if c:
+        L += ["", _verdict(c, te["variants"].get("vm_kd"))]
+    return L + _md_coverage(r) + _md_tier_shares(h) + _md_per_tier_and_segment(h)
+
+
+def _md_coverage(r: dict) -> list[str]:
+    """A seed's coverage of the test rows, its cost in FM inferences, and the age of what was served."""
+    cov = r["headline"]["coverage"]["test"]
+    ages = ", ".join(f"{k} mean {_f(v['mean_h'], 2)} h (p90 {_f(v['p90_h'], 2)})" for k, v in cov["age"].items()
+                     if v)
+    return ["", f"Coverage of the test rows (through FeatureReader): pair {_f(cov['shares']['pair'], 3)}, user "
+                f"aggregate {_f(cov['shares']['user_aggregate'], 3)}, neighbour {_f(cov['shares']['neighbour'], 3)}, "
+                f"none {_f(cov['shares']['none'], 3)}; any tier {_f(cov['any_tier'], 3)}. Pair ceiling (pair shown "
+                f"before the last refresh) {_f(cov['ceiling'], 3)}: pair tier = {_f(cov['pair_of_ceiling'], 3)} "
+                f"of it. FM inferences per served row {_f(r['fm_per_row']['per_row'], 3)} "
+                f"({r['fm_per_row']['fm_inferences']} pair inferences for {r['fm_per_row']['served_rows']} rows; "
+                f"plus {_f(r['fm_per_row']['user_embeddings_per_row'], 3)} FM user embeddings per row for the "
+                f"neighbour tier, every user with history at every refresh).",
+            f"Age of what was served: {ages}."]
+
+
+def _md_tier_shares(h: dict) -> list[str]:
+    """The tier shares of a seed's training, validation and test rows side by side."""
+    L = ["", "Tier shares of training, validation and test rows (train on what is served):", "",
+         "| rows | " + " | ".join(TIERS) + " |", "|---|" + "---|" * len(TIERS)]
+    for k, sh in h["tier_shares_side_by_side"].items():
+        L.append(f"| {k} | " + " | ".join(_f(sh[t], 3) for t in TIERS) + " |")
+    return L
+
+
+def _md_per_tier_and_segment(h: dict) -> list[str]:
+    """The gap and the TRs of all tiers and of KD per tier served and per segment of a seed's test rows."""
+    L = ["", "TR of all tiers (and KD) per tier served and per segment:", "",
+         "| rows | n | FM - VM gap [95%] | TR all tiers [95%] | TR KD [95%] |", "|---|---|---|---|---|"]
+    for group in ("per_tier", "segments"):
+        for k, sm in h[group].items():
+            if not sm.get("rows") or sm.get("gap") is None:
                 continue
-            L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['auc'], 4)} | "
-                     f"{_f(v['tr'], 3)}{_ci(v['tr_ci'])} |")
-        c = te.get("criterion")
-        if c:
-            L += ["", _verdict(c, te["variants"].get("vm_kd"))]
-        cov = h["coverage"]["test"]
-        L.append("")
-        L.append(f"Coverage of the test rows (through FeatureReader): pair {_f(cov['shares']['pair'], 3)}, user "
-                 f"aggregate {_f(cov['shares']['user_aggregate'], 3)}, neighbour {_f(cov['shares']['neighbour'], 3)}, "
-                 f"none {_f(cov['shares']['none'], 3)}; any tier {_f(cov['any_tier'], 3)}. Pair ceiling (pair shown "
-                 f"before the last refresh) {_f(cov['ceiling'], 3)}: pair tier = {_f(cov['pair_of_ceiling'], 3)} "
-                 f"of it. FM inferences per served row {_f(r['fm_per_row']['per_row'], 3)} "
-                 f"({r['fm_per_row']['fm_inferences']} pair inferences for {r['fm_per_row']['served_rows']} rows; "
-                 f"plus {_f(r['fm_per_row']['user_embeddings_per_row'], 3)} FM user embeddings per row for the "
-                 f"neighbour tier, every user with history at every refresh).")
-        ages = ", ".join(f"{k} mean {_f(v['mean_h'], 2)} h (p90 {_f(v['p90_h'], 2)})" for k, v in cov["age"].items()
-                         if v)
-        L.append(f"Age of what was served: {ages}.")
-        L.append("")
-        L.append("Tier shares of training, validation and test rows (train on what is served):")
-        L.append("")
-        L.append("| rows | " + " | ".join(TIERS) + " |")
-        L.append("|---|" + "---|" * len(TIERS))
-        for k, sh in h["tier_shares_side_by_side"].items():
-            L.append(f"| {k} | " + " | ".join(_f(sh[t], 3) for t in TIERS) + " |")
-        L.append("")
-        L.append("TR of all tiers (and KD) per tier served and per segment:")
-        L.append("")
-        L.append("| rows | n | FM - VM gap [95%] | TR all tiers [95%] | TR KD [95%] |")
-        L.append("|---|---|---|---|---|")
-        for group in ("per_tier", "segments"):
-            for k, sm in h[group].items():
-                if not sm.get("rows") or sm.get("gap") is None:
-                    continue
-                s_ = sm["variants"]["solaris"]
-                kd = sm["variants"]["vm_kd"]
-                L.append(f"| {k} | {sm['rows']} | {_f(sm['gap']['value'], 5)}{_ci(sm['gap']['ci'], 5)} | "
-                         f"{_f(s_['tr'], 3)}{_ci(s_['tr_ci'])} | {_f(kd['tr'], 3)}{_ci(kd['tr_ci'])} |")
-    first = report["per_seed"][0] if report["per_seed"] else {}
-    if first.get("curves"):
-        cu = first["curves"]
-        L += ["", f"## Curves (seed {first['seed']}; the all-tiers VM with the headline's hyperparameters)", "",
-              "| budget (per served row, asked) | FM inferences per served row (used) | pair | any tier | "
-              "pair / ceiling | TR all tiers [95%] |", "|---|---|---|---|---|---|"]
-        for p in cu["budget"]:
-            L.append(f"| {p['budget_per_row']:g} | {_f(p['fm']['per_row'], 3)} | {_f(p['coverage']['shares']['pair'], 3)}"
-                     f" | {_f(p['coverage']['any_tier'], 3)} | {_f(p['coverage']['pair_of_ceiling'], 3)} | "
-                     f"{_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
-        L += ["", "| cadence | FM inferences per served row | pair | any tier | TR all tiers [95%] |",
-              "|---|---|---|---|---|"]
-        for p in cu["cadence"]:
-            L.append(f"| {p['cadence']} | {_f(p['fm']['per_row'], 3)} | {_f(p['coverage']['shares']['pair'], 3)} | "
-                     f"{_f(p['coverage']['any_tier'], 3)} | {_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
-        fc = cu.get("fast_cadence")
-        if fc:
-            L += ["", f"Fast cadence: its own replay, switching from the {report['config']['cadence']} refreshes at "
-                  f"{fc['switch_at']}; coverage of the test "
-                  f"rows in [{fc['window'][0]}, {fc['window'][1]}) (FM inferences per served row at "
-                  f"{report['config']['fast_cadence']}: {_f(fc['fast_fm_per_row'], 3)}):", "",
-                  "| cadence | pair | any tier | pair / ceiling | TR of the headline VM (trained at "
-                  f"{report['config']['cadence']}) [95%] |", "|---|---|---|---|---|"]
-            for k, c in fc["coverage"].items():
-                h = c.get("headline_vm", {}).get("solaris") or {}
-                L.append(f"| {k} | {_f(c['shares']['pair'], 3)} | {_f(c['any_tier'], 3)} | "
-                         f"{_f(c['pair_of_ceiling'], 3)} | {_f(h.get('tr'), 3)}{_ci(h.get('tr_ci'))} |")
-    sec = first.get("secondary_t1_only")
-    if sec:
-        te = sec["test"]
-        L += ["", f"## Secondary: VMs trained on {sec['training_rows']} only ({sec['rows']} rows; seed "
-              f"{first['seed']}, same test rows)", "", "| variant | test BCE [95%] | TR [95%] |", "|---|---|---|"]
-        for n in ORDER:
-            v = te["variants"].get(n)
-            if v is not None:
-                L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['tr'], 3)}"
-                         f"{_ci(v['tr_ci'])} |")
-        c = te.get("criterion")
-        if c:
-            L += ["", _verdict(c, te["variants"].get("vm_kd"))]
-    kc = first.get("kd_grid_check")
-    if kc:
-        b, t = kc["best"], kc["variants"]
-        L += ["", f"## Post hoc: VM + KD on a wider grid (seed {first['seed']})", "",
-              "Not a headline setting: added after the headline runs because KD's best point was its grid's corner "
-              "(the smallest weight and temperature). VM + KD is also trained at weight x temperature "
-              f"{', '.join(_point(g['params']) for g in kc['grid'])}"
-              f"; the best of both grids on validation is {_params(b['params'])} ({b['from']}, valid BCE "
-              f"{_f(b['valid_bce'], 5)}; the headline's {_params(kc['headline_grid_best']['params'])}, "
-              f"{_f(kc['headline_grid_best']['valid_bce'], 5)}).", "",
-              "| | test BCE [95%] | TR [95%] |", "|---|---|---|"]
-        for k, name in (("vm_kd", "VM + KD (headline grid)"), ("vm_kd_best", "VM + KD (best of both grids)"),
-                        ("solaris", "VM + SOLARIS, all tiers")):
-            v = t[k]
-            L.append(f"| {name} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['tr'], 3)}{_ci(v['tr_ci'])} |")
-        if kc.get("criterion"):
-            L += ["", _verdict(kc["criterion"], t["vm_kd_best"])]
-    if report.get("sweep"):
-        L += ["", "## Sweep: share of the label signal only a sequence model can see (seed "
-              f"{report['sweep'][0].get('seed', report['config'].get('sweep_seed', 0))} each)", "",
-              "| sequence share | positive rate | VM BCE | VM + KD BCE | VM + SOLARIS BCE | FM BCE | FM gain | "
-              "TR all tiers [95%] | TR KD [95%] | TR - 1.5 TR(KD) [95%] |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for s in report["sweep"]:
-            c = s["criterion"]
-            bce = s.get("bce") or {}
-            L.append(f"| {s['sequence_share']:g} | {_f(s['positive_rate'], 3)} | {_f(s['vm_bce'], 5)} | "
-                     f"{_f(bce.get('vm_kd'), 5)} | {_f(bce.get('solaris'), 5)} | {_f(s['fm_bce'], 5)} | "
-                     f"{100 * s['fm_gain_relative']:.2f}% | {_f(s['tr'].get('solaris'), 3)}"
-                     f"{_ci(s['tr_ci'].get('solaris'))} | {_f(s['tr'].get('vm_kd'), 3)}{_ci(s['tr_ci'].get('vm_kd'))}"
-                     f" | {_f(c['value'], 3) if c else '-'}{_ci(c['ci']) if c else ''} |")
-    for n in report.get("notes", []):
-        L += ["", f"**Note:** {n}."]
-    L += ["", "## Plots", ""]
+            s_ = sm["variants"]["solaris"]
+            kd = sm["variants"]["vm_kd"]
+            L.append(f"| {k} | {sm['rows']} | {_f(sm['gap']['value'], 5)}{_ci(sm['gap']['ci'], 5)} | "
+                     f"{_f(s_['tr'], 3)}{_ci(s_['tr_ci'])} | {_f(kd['tr'], 3)}{_ci(kd['tr_ci'])} |")
+    return L
+
+
+def _md_curves(report: dict, first: dict) -> list[str]:
+    """## Curves: the budget curve, the cadence curve and the fast cadence's replay (the first seed)."""
+    cu = first["curves"]
+    L = ["", f"## Curves (seed {first['seed']}; the all-tiers VM with the headline's hyperparameters)", "",
+         "| budget (per served row, asked) | FM inferences per served row (used) | pair | any tier | "
+         "pair / ceiling | TR all tiers [95%] |", "|---|---|---|---|---|---|"]
+    for p in cu["budget"]:
+        L.append(f"| {p['budget_per_row']:g} | {_f(p['fm']['per_row'], 3)} | {_f(p['coverage']['shares']['pair'], 3)}"
+                 f" | {_f(p['coverage']['any_tier'], 3)} | {_f(p['coverage']['pair_of_ceiling'], 3)} | "
+                 f"{_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
+    L += ["", "| cadence | FM inferences per served row | pair | any tier | TR all tiers [95%] |",
+          "|---|---|---|---|---|"]
+    for p in cu["cadence"]:
+        L.append(f"| {p['cadence']} | {_f(p['fm']['per_row'], 3)} | {_f(p['coverage']['shares']['pair'], 3)} | "
+                 f"{_f(p['coverage']['any_tier'], 3)} | {_f(p['solaris']['tr'], 3)}{_ci(p['solaris']['tr_ci'])} |")
+    if cu.get("fast_cadence"):
+        L += _md_fast_cadence(report, cu["fast_cadence"])
+    return L
+
+
+def _md_fast_cadence(report: dict, fc: dict) -> list[str]:
+    """The fast cadence's replay: coverage of the test rows it covers, beside the other cadences on the same rows."""
+    L = ["", f"Fast cadence: its own replay, switching from the {report['config']['cadence']} refreshes at "
+             f"{fc['switch_at']}; coverage of the test "
+             f"rows in [{fc['window'][0]}, {fc['window'][1]}) (FM inferences per served row at "
+             f"{report['config']['fast_cadence']}: {_f(fc['fast_fm_per_row'], 3)}):", "",
+         "| cadence | pair | any tier | pair / ceiling | TR of the headline VM (trained at "
+         f"{report['config']['cadence']}) [95%] |", "|---|---|---|---|---|"]
+    for k, c in fc["coverage"].items():
+        h = c.get("headline_vm", {}).get("solaris") or {}
+        L.append(f"| {k} | {_f(c['shares']['pair'], 3)} | {_f(c['any_tier'], 3)} | "
+                 f"{_f(c['pair_of_ceiling'], 3)} | {_f(h.get('tr'), 3)}{_ci(h.get('tr_ci'))} |")
+    return L
+
+
+def _md_secondary(first: dict) -> list[str]:
+    """## Secondary: the variants trained on [t1, valid_from) only (the first seed)."""
+    sec = first["secondary_t1_only"]
+    te = sec["test"]
+    L = ["", f"## Secondary: VMs trained on {sec['training_rows']} only ({sec['rows']} rows; seed "
+             f"{first['seed']}, same test rows)", "", "| variant | test BCE [95%] | TR [95%] |", "|---|---|---|"]
+    for n in ORDER:
+        v = te["variants"].get(n)
+        if v is not None:
+            L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['tr'], 3)}"
+                     f"{_ci(v['tr_ci'])} |")
+    c = te.get("criterion")
+    if c:
+        L += ["", _verdict(c, te["variants"].get("vm_kd"))]
+    return L
+
+
+def _md_kd_grid_check(first: dict) -> list[str]:
+    """## Post hoc: VM + KD on a wider grid (the first seed)."""
+    kc = first["kd_grid_check"]
+    b, t = kc["best"], kc["variants"]
+    L = ["", f"## Post hoc: VM + KD on a wider grid (seed {first['seed']})", "",
+         "Not a headline setting: added after the headline runs because KD's best point was its grid's corner "
+         "(the smallest weight and temperature). VM + KD is also trained at weight x temperature "
+         f"{', '.join(_point(g['params']) for g in kc['grid'])}"
+         f"; the best of both grids on validation is {_params(b['params'])} ({b['from']}, valid BCE "
+         f"{_f(b['valid_bce'], 5)}; the headline's {_params(kc['headline_grid_best']['params'])}, "
+         f"{_f(kc['headline_grid_best']['valid_bce'], 5)}).", "",
+         "| | test BCE [95%] | TR [95%] |", "|---|---|---|"]
+    for k, name in (("vm_kd", "VM + KD (headline grid)"), ("vm_kd_best", "VM + KD (best of both grids)"),
+                    ("solaris", "VM + SOLARIS, all tiers")):
+        v = t[k]
+        L.append(f"| {name} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['tr'], 3)}{_ci(v['tr_ci'])} |")
+    if kc.get("criterion"):
+        L += ["", _verdict(kc["criterion"], t["vm_kd_best"])]
+    return L
+
+
+def _md_sweep(report: dict) -> list[str]:
+    """## Sweep: per share of the label signal only a sequence model can see, the BCEs and TRs."""
+    L = ["", "## Sweep: share of the label signal only a sequence model can see (seed "
+             f"{report['sweep'][0].get('seed', report['config'].get('sweep_seed', 0))} each)", "",
+         "| sequence share | positive rate | VM BCE | VM + KD BCE | VM + SOLARIS BCE | FM BCE | FM gain | "
+         "TR all tiers [95%] | TR KD [95%] | TR - 1.5 TR(KD) [95%] |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in report["sweep"]:
+        c = s["criterion"]
+        bce = s.get("bce") or {}
+        L.append(f"| {s['sequence_share']:g} | {_f(s['positive_rate'], 3)} | {_f(s['vm_bce'], 5)} | "
+                 f"{_f(bce.get('vm_kd'), 5)} | {_f(bce.get('solaris'), 5)} | {_f(s['fm_bce'], 5)} | "
+                 f"{100 * s['fm_gain_relative']:.2f}% | {_f(s['tr'].get('solaris'), 3)}"
+                 f"{_ci(s['tr_ci'].get('solaris'))} | {_f(s['tr'].get('vm_kd'), 3)}{_ci(s['tr_ci'].get('vm_kd'))}"
+                 f" | {_f(c['value'], 3) if c else '-'}{_ci(c['ci']) if c else ''} |")
+    return L
+
+
+def _md_plots(report: dict, files: dict) -> list[str]:
+    """## Plots, and the run's wall time."""
+    L = ["", "## Plots", ""]
     for name, f in files.items():
-        L.append(f"![{name}]({f})")
-        L.append("")
-    L.append(f"Wall time: {report['timings']['total_s'] / 60:.1f} min (replays, training and serving included; "
-             "cached steps reused).")
-    return "\n".join(L) + "\n"
+        L += [f"![{name}]({f})", ""]
+    return L + [f"Wall time: {report['timings']['total_s'] / 60:.1f} min (replays, training and serving included; "
+                "cached steps reused)."]
 
 
 def apply_kd_rule(obj) -> None:
@@ -397,13 +470,48 @@ def write(report: dict, out: Path) -> Path:
     return path
 
 
+def save(report: dict, out: Path) -> Path:
+    """Writes ``report.json`` and then the readable report (``write``) under ``out``; returns the Markdown's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    return write(report, out)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def headline_table(report: dict) -> str:
+    """A few lines for a terminal: per seed the FM's gain, the TRs, coverage and cost."""
+    f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"
+    lines = [f"{'seed':>4s} {'FM gain':>8s} {'TR all tiers':>12s} {'TR KD':>7s} {'any tier':>8s} {'pair/ceil':>9s} "
+             f"{'FM/row':>6s}"]
+    for p in report["summary"]:
+        lines.append(f"{p['seed']:4d} {100 * p['fm_gain_relative']:7.2f}% {f(p['tr'].get('solaris')):>12s} "
+                     f"{f(p['tr'].get('vm_kd')):>7s} {f(p['coverage']['any_tier']):>8s} "
+                     f"{f(p['coverage']['pair_of_ceiling']):>9s} {f(p['fm_per_row']):>6s}")
+    if report["summary"] and not any(p["tr_quoted"] for p in report["summary"]):
+        lines.append("(no TR quoted: the FM's gain over the VM is not above 0 at the 95% lower bound)")
+    for p in report.get("sweep", []):
+        lines.append(f"sweep: sequence share {p['sequence_share']:g}: FM gain {100 * p['fm_gain_relative']:.2f}%, "
+                     f"TR all tiers {f(p['tr'].get('solaris'))}, TR KD {f(p['tr'].get('vm_kd'))}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":          # re-render report.md and the plots from a report.json
-    import json
     import sys
-    from solaris_jobs.evaluation.run import _targets
+
+    from solaris_jobs.evaluation.targets import check_targets
     src = Path(sys.argv[1])
     rep = json.loads(src.read_text())
     apply_kd_rule(rep)                                # today's quoting rule on a report written before it
-    rep["targets"] = _targets(rep["summary"])       # a pure function of the summaries
+    rep["targets"] = check_targets(rep["summary"])  # a pure function of the summaries
     src.write_text(json.dumps(rep, indent=1) + "\n")
     print(write(rep, src.parent))

@@ -216,10 +216,12 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
     if evaluate:
         from dataclasses import replace
 
-        from solaris_jobs.evaluation import run as ev
+        from solaris_jobs.evaluation.config import quick_config
+        from solaris_jobs.evaluation.report import headline_table
+        from solaris_jobs.evaluation.run import evaluate as run_evaluation
         click.echo(f"\nquick replay evaluation (synthetic ad-like traffic; solaris evaluate --quick) -> {reports}")
-        report = ev.evaluate(replace(ev.quick_config(), spark_master=master), Path(reports))
-        click.echo(ev.headline_table(report))
+        report = run_evaluation(replace(quick_config(), spark_master=master), Path(reports))
+        click.echo(headline_table(report))
 
 
 @main.command("evaluate")
@@ -246,13 +248,15 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
     served row, with paired-bootstrap intervals. Writes report.json, report.md (with plots) and report.html (one self-contained page)."""
     from dataclasses import replace
 
-    from solaris_jobs.evaluation import run as ev
+    from solaris_jobs.evaluation.config import EvalConfig, movielens_config, quick_config
+    from solaris_jobs.evaluation.report import headline_table
+    from solaris_jobs.evaluation.run import evaluate
     if dataset == "movielens":
-        cfg = ev.movielens_config()
+        cfg = movielens_config()
         if quick:
             cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
     else:
-        cfg = ev.quick_config() if quick else ev.EvalConfig()
+        cfg = quick_config() if quick else EvalConfig()
     kw = {"spark_master": master}
     if seeds:
         kw["seeds"] = () if seeds == "none" else tuple(int(x) for x in seeds.split(","))
@@ -270,8 +274,8 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
             except ValueError as e:
                 raise click.BadParameter(f"not a duration: {fast_cadence!r} ({e})", param_hint="--fast-cadence")
         kw["fast_cadence"] = None if fast_cadence == "none" else fast_cadence
-    report = ev.evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
-    click.echo(ev.headline_table(report))
+    report = evaluate(replace(cfg, **kw), Path(out), fresh=fresh)
+    click.echo(headline_table(report))
     click.echo(f"report: {Path(out) / 'report.html'} (and report.md, report.json)")
 
 
@@ -285,13 +289,14 @@ def evaluate_merge_cmd(reports, out, seeds) -> None:
     """One report from runs of the same evaluation that ran different seeds apart (``solaris evaluate --seeds 1`` on
     another machine or in another session): the data, protocol and settings must match; the summary and the targets
     are recomputed over every seed."""
-    from solaris_jobs.evaluation import run as ev
+    from solaris_jobs.evaluation.merge import ReportMismatch, merge_reports
+    from solaris_jobs.evaluation.report import headline_table
     expected = tuple(int(x) for x in seeds.split(",")) if seeds else None
     try:
-        report = ev.merge_reports([Path(r) for r in reports], Path(out), expected)
-    except ev.ReportMismatch as e:
+        report = merge_reports([Path(r) for r in reports], Path(out), expected)
+    except ReportMismatch as e:
         raise click.ClickException(str(e))
-    click.echo(ev.headline_table(report))
+    click.echo(headline_table(report))
     click.echo(f"report: {Path(out) / 'report.html'} (seeds {report['seeds']}, complete: {report['complete']})")
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 import pyarrow as pa
 
 from solaris_jobs.core import offline as off
+from solaris_jobs.core import uris
 from solaris_jobs.core.settings import PrecomputeConfig, Settings
 from solaris_jobs.pipeline import aggregates, history, inference, interval_state
 from solaris_jobs.pipeline.event_source import event_source
@@ -183,8 +184,8 @@ def _load_index(s: Settings, index_at: pd.Timestamp) -> Index:
     """The index of the last full interval, as published."""
     from solaris_jobs.pipeline import knn
     folder = off.require(s.offline, "knn_index", index_at)
-    index = knn.deserialize(off.read_bytes(off.join(folder, "index.faiss")))
-    ids = np.load(io.BytesIO(off.read_bytes(off.join(folder, "ids.npy"))))
+    index = knn.deserialize(off.read_bytes(uris.join(folder, "index.faiss")))
+    ids = np.load(io.BytesIO(off.read_bytes(uris.join(folder, "ids.npy"))))
     return Index(index, ids, index_at, (off.read_stats(s.offline, "knn_index", index_at) or {}).get("index"))
 
 

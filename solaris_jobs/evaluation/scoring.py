@@ -1,0 +1,150 @@
+"""What one seed's trained variants score on its test rows: BCE, AUC and TR with paired-bootstrap intervals over
+users, overall, per tier served and per segment; the secondary training window; the post-hoc KD grid check.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from solaris_jobs.core.contract import TIERS
+from solaris_jobs.evaluation import metrics, variants
+from solaris_jobs.evaluation.replays import SeedContext
+from solaris_jobs.evaluation.windows import ceiling_and_segments, coverage, event_us, tier_shares, within
+
+
+def probs(tab, fits: dict) -> dict:
+    """Test probabilities of every variant, the FM, and the base rate (the training rows' positive rate)."""
+    test = tab.split == 2
+    p = {k: v["test_prob"] for k, v in fits.items()}
+    p["fm"] = 1.0 / (1.0 + np.exp(-tab.fm_logit[test].astype(np.float64)))
+    train = tab.labels[tab.split == 0]
+    p["base_rate"] = np.full(int(test.sum()), float(train[train >= 0].mean()))
+    return p
+
+
+def predict(model, t) -> np.ndarray:
+    """A trained all-tiers VM's test probabilities on the served inputs of table ``t``."""
+    from solaris_jobs.core.model_inputs import Arrays
+    from solaris_jobs.learning.training import predict as predict_logits
+    a, _ = t.inputs("solaris")
+    logit = predict_logits(model, Arrays(a, t.labels).subset(t.split == 2), batch_size=8192)["logit"]
+    return 1.0 / (1.0 + np.exp(-logit.astype(np.float64)))
+
+
+def evaluate_test(ctx: SeedContext, tab, fits: dict, served: pa.Table, every: pd.Timedelta) -> dict:
+    """Losses, TRs and coverage of the test rows, overall, per tier and per segment; tier shares of the training
+    rows beside the test rows (train on what is served)."""
+    P = ctx.protocol
+    test = tab.split == 2
+    y = tab.labels[test]
+    p = probs(tab, fits)
+    losses = {k: metrics.row_bce(y, x) for k, x in p.items()}
+    users = tab.users[test]
+    boot = metrics.PairedBootstrap(users, ctx.cfg.n_boot, seed=ctx.seed)
+    summ = lambda mask=None: metrics.summarize_losses(losses, users, y, p, mask=mask, boot=boot, kd="vm_kd",
+                                                       solaris="solaris", floor="base_rate")
+    out = {"test": summ()}
+    tier = tab.served_tier[test]
+    out["per_tier"] = {name: summ(tier == k) for k, name in enumerate(TIERS)}
+    extra = ceiling_and_segments(ctx.events, P, served, every)
+    returning = _returning(tab, served, extra)
+    out["segments"] = _segments(tab, summ, returning)
+    s_ts = event_us(served)
+    out["coverage"] = {"test": coverage(served, within(s_ts, P.t2, P.t3), extra, P, every),
+                       "served_training": coverage(served, within(s_ts, P.t1, P.t2), extra, P, every)}
+    out["tier_shares_side_by_side"] = {
+        "training rows [t0, valid_from)": tier_shares(tab.served_tier[tab.split == 0]),
+        "validation rows [valid_from, t2)": tier_shares(tab.served_tier[tab.split == 1]),
+        "test rows [t2, t3)": tier_shares(tier)}
+    out["returning_test_users"] = int(len(np.unique(users[returning])))
+    return out
+
+
+def _returning(tab, served: pa.Table, extra: dict) -> np.ndarray:
+    """Whether each test row's user was seen before t2: the served table's per-row flags aligned with the table's
+    test rows (same keys)."""
+    test = tab.split == 2
+    key_s = pd.DataFrame({"u": served.column("user_id").to_numpy(), "i": served.column("item_id").to_numpy(),
+                          "t": event_us(served), "ret": extra["returning"], "ceil": extra["ceiling"]}).drop_duplicates(
+        ["u", "i", "t"])
+    key_t = pd.DataFrame({"u": tab.users[test], "i": tab.items[test], "t": tab.ts[test]}).merge(
+        key_s, on=["u", "i", "t"], how="left")
+    return key_t["ret"].fillna(False).to_numpy(bool)
+
+
+def _segments(tab, summ, returning: np.ndarray) -> dict:
+    """``summ`` of the test rows of returning and new users, by history length, and of the pair tier's rows by
+    the age of the embedding served (how staleness costs)."""
+    test = tab.split == 2
+    tier = tab.served_tier[test]
+    hist = tab.counters["user_cnt"][test]
+    age = tab.served_age_h[test]
+    return {"returning users": summ(returning), "new users": summ(~returning),
+            "history 0": summ(hist == 0), "history 1-49": summ((hist >= 1) & (hist < 50)),
+            "history 50+": summ(hist >= 50),
+            **{f"pair, age {lo:g}-{hi:g} h": summ((tier == 0) & (age >= lo) & (age < hi))
+               for lo, hi in ((0, 1), (1, 4), (4, 12), (12, 48))}}
+
+
+def secondary(ctx: SeedContext, tab, served: pa.Table, every: pd.Timedelta, names) -> dict:
+    """The variants trained on [t1, valid_from) only (no rows from before the replay), the same test rows: the
+    secondary result the protocol asks for beside the headline's [t0, valid_from)."""
+    t1_us = ctx.protocol.t1.value // 1000
+    only = replace(tab, split=np.where((tab.split == 0) & (tab.ts < t1_us), -1, tab.split).astype(np.int8))
+    fits = variants.train_variants(only, ctx.seed, ctx.cfg.vm_epochs, ctx.cfg.vm_batch_size, names=names,
+                                   grid_points=ctx.cfg.grid_points, cache=ctx.out / "vm_cache")
+    ev = evaluate_test(ctx, only, fits, served, every)
+    return {"training_rows": "[t1, valid_from)", "rows": int((only.split == 0).sum()), "test": ev["test"],
+            "per_tier": ev["per_tier"]}
+
+
+def kd_grid_check(ctx: SeedContext, tab, fits: dict) -> dict:
+    """Post hoc (not a headline setting): VM + KD also trained on ``variants.KD_CHECK_GRID`` (weights and
+    temperatures below and between the headline grid's best corner), on the base hyperparameters VM chose; the best
+    of both grids on validation, its test BCE and TR, and the 1.5x criterion of the all-tiers VM against it. Says
+    whether the headline's KD was under-tuned; the headline numbers stay as they were run."""
+    cfg = ctx.cfg
+    grid = variants.kd_grid(fits["vm"]["params"], variants.KD_CHECK_GRID[:cfg.grid_points])
+    ext = variants.train_variants(tab, ctx.seed, cfg.vm_epochs, cfg.vm_batch_size, ["vm_kd"], {"vm_kd": grid},
+                                  cache=ctx.out / "vm_cache")["vm_kd"]
+    head = fits["vm_kd"]
+    best = ext if ext["valid_bce"] < head["valid_bce"] else head
+    test = tab.split == 2
+    y, users = tab.labels[test], tab.users[test]
+    p = {**probs(tab, fits), "vm_kd_best": best["test_prob"]}
+    losses = {k: metrics.row_bce(y, p[k]) for k in ("vm", "fm", "solaris", "vm_kd", "vm_kd_best", "base_rate")}
+    boot = metrics.PairedBootstrap(users, cfg.n_boot, seed=ctx.seed)
+    summ = metrics.summarize_losses(losses, users, y, p, boot=boot, kd="vm_kd_best", solaris="solaris",
+                                    floor="base_rate")
+    return {"grid": ext["grid"], "headline_grid_best": {"params": head["params"], "valid_bce": head["valid_bce"]},
+            "best": {"params": best["params"], "valid_bce": best["valid_bce"],
+                     "from": "check grid" if best is ext else "headline grid"},
+            "variants": {k: summ["variants"][k] for k in ("vm_kd", "vm_kd_best", "solaris")}, "gap": summ["gap"],
+            "criterion": summ["criterion"] and {**summ["criterion"], "kd": "vm_kd_best"}, "seconds": ext["seconds"]}
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """A seed's test rows as the curves score them: labels, users, every variant's probabilities and the paired
+    bootstrap over the users."""
+    y: np.ndarray
+    users: np.ndarray
+    probs: dict
+    boot: metrics.PairedBootstrap
+
+    @classmethod
+    def of(cls, ctx: SeedContext, tab, fits: dict) -> "ScoredRows":
+        test = tab.split == 2
+        return cls(tab.labels[test], tab.users[test], probs(tab, fits),
+                   metrics.PairedBootstrap(tab.users[test], ctx.cfg.n_boot, seed=ctx.seed))
+
+    def with_solaris(self, solaris_prob: np.ndarray, mask: np.ndarray | None = None) -> dict:
+        """``metrics.summarize_losses`` of the rows in ``mask`` with the all-tiers VM's probabilities replaced by
+        ``solaris_prob``."""
+        p = {**self.probs, "solaris": solaris_prob}
+        losses = {k: metrics.row_bce(self.y, p[k]) for k in ("vm", "fm", "solaris", "vm_kd", "base_rate")}
+        return metrics.summarize_losses(losses, self.users, self.y, p, mask=mask, boot=self.boot, kd="vm_kd",
+                                        solaris="solaris", floor="base_rate")

@@ -1,0 +1,54 @@
+"""The evaluation's targets and the per-seed summaries they are checked on: a pure function of the summaries, so
+that a report re-rendered or merged from others recomputes them (``report``, ``merge``).
+"""
+from __future__ import annotations
+
+from solaris_jobs.evaluation import metrics
+
+TARGETS = {"fm_beats_vm_relative": 0.02, "tr_solaris_min": 0.3, "kd_factor": 1.5, "pair_of_ceiling_min": 0.8,
+           "any_tier_min": 0.9, "fm_per_row_max": 1.0}
+
+
+def seed_summary(r: dict) -> dict:
+    """The headline numbers of one seed's result (``seed.run_seed``): what the targets are checked on."""
+    t = r["headline"]["test"]
+    v = t["variants"]
+    return {"seed": r["seed"], "vm_bce": v["vm"]["bce"], "fm_bce": v["fm"]["bce"],
+            "fm_gain_relative": t["gap"]["relative"], "gap_ci": t["gap"]["ci"], "tr_quoted": t["tr_quoted"],
+            "bce": {k: x["bce"] for k, x in v.items()},
+            "tr": {k: x["tr"] for k, x in v.items()}, "tr_ci": {k: x["tr_ci"] for k, x in v.items()},
+            "criterion": t["criterion"], "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
+                                                      ("shares", "any_tier", "ceiling", "pair_of_ceiling")},
+            "fm_per_row": r["fm_per_row"]["per_row"], "fm_total_per_row": r["fm_per_row"].get("total_per_row")}
+
+
+def sweep_point(share: float, seed_result: dict, positive_rate: float) -> dict:
+    """A point of the sweep over the sequence share: the summary of the seed run on that share's data."""
+    return {"sequence_share": share, **seed_summary(seed_result), "positive_rate": positive_rate}
+
+
+def check_targets(summaries: list[dict]) -> dict:
+    """Each target, per seed and over all seeds (None: not decided, see ``tr_solaris_at_least_1.5x_kd``)."""
+    T = TARGETS
+    per = []
+    for s in summaries:
+        tr_s = s["tr"].get("solaris")
+        per.append({
+            "seed": s["seed"],
+            "fm_beats_vm_by_2pct": bool(s["fm_gain_relative"] >= T["fm_beats_vm_relative"] and s["tr_quoted"]),
+            "tr_solaris_at_least_0.3": bool(tr_s is not None and tr_s >= T["tr_solaris_min"]),
+            # None: KD's TR interval reaches 0, so no ratio over it is quoted (the absolute TRs are the result).
+            "tr_solaris_at_least_1.5x_kd": (bool(s["criterion"] and s["criterion"]["ci"][0] > 0)
+                                            if _kd_transfers(s) else None),
+            "pair_at_least_80pct_of_ceiling": bool((s["coverage"]["pair_of_ceiling"] or 0) >= T["pair_of_ceiling_min"]),
+            "any_tier_at_least_90pct": bool((s["coverage"]["any_tier"] or 0) >= T["any_tier_min"]),
+            # All FM work counts: pair inferences and the neighbour tier's user embeddings.
+            "fm_per_row_at_most_1": bool(s["fm_total_per_row"] is not None
+                                         and s["fm_total_per_row"] <= T["fm_per_row_max"])})
+    keys = [k for k in (per[0] if per else {}) if k != "seed"]
+    return {"targets": T, "per_seed": per,
+            "all_met": {k: None if any(p[k] is None for p in per) else all(p[k] for p in per) for k in keys}}
+
+
+def _kd_transfers(s: dict) -> bool:
+    return metrics.transfers((s.get("tr_ci") or {}).get("vm_kd"))
