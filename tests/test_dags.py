@@ -1,11 +1,13 @@
 """The Airflow DAGs on real Airflow 3: integrity, ``dag.test()`` end to end on MovieLens with the SQLite and the
-Redis online store, and backfills through ``solaris backfill``'s task functions."""
+Redis online store, backfills through ``solaris backfill``'s task functions, and one live Airflow (its services as
+real processes) for the module, which the REST and browser tests read."""
 import importlib.util
 import json
 import os
 import sqlite3
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -221,8 +223,8 @@ def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, s
 def test_refresh_dag_test_sqlite_then_backfill_two_intervals_twice_identical(airflow_env, spark, tmp_path,
                                                                               monkeypatch):
     """dag.test() end to end into the SQLite online store for the first of 2 intervals; then `solaris backfill`
-    over the 2 skips the one dag.test() completed and runs the other; again with --force: identical online-store
-    contents (an interval builds on the one before it, so the order is the same both times)."""
+    over the 2 skips the one dag.test() completed and runs the other. Each interval is then run a second time, with
+    identical online-store contents: the second with --force, the first because one of its outputs went missing."""
     from click.testing import CliRunner
 
     from solaris_jobs.flows import refresh_steps as o
@@ -239,8 +241,8 @@ def test_refresh_dag_test_sqlite_then_backfill_two_intervals_twice_identical(air
     assert [r["interval_end"] for r in first] == [(start + k * HOUR).isoformat() for k in (1, 2)]
     before = _dump_sqlite(tmp_path / "online.db")
     assert before and all(rows for rows in before.values())
-    again = o.backfill(s, start, ML_END, force=True)
-    assert [r["status"] for r in again] == ["done"] * 2
+    again = o.backfill(s, start + HOUR, ML_END, force=True)          # --force runs a complete interval again
+    assert [r["status"] for r in again] == ["done"]
     assert _dump_sqlite(tmp_path / "online.db") == before
     # Without --force every interval is complete and skipped; a missing output makes its interval run again.
     res = CliRunner().invoke(main, ["backfill", "--start", start.isoformat(), "--end", ML_END.isoformat()])
@@ -255,130 +257,6 @@ def test_refresh_dag_test_sqlite_then_backfill_two_intervals_twice_identical(air
 
 
 SCREENSHOTS = ROOT / "artifacts" / "screenshots"     # the browser test's artefacts (git-ignored)
-
-
-def _finished_refresh_run(tmp_path, monkeypatch) -> str:
-    """The id of a successful solaris_refresh run in this module's metadata DB: one an earlier test made with
-    dag.test() (the SQLite test above), else one made now."""
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-    with create_session() as session:
-        runs = session.scalars(select(DagRun.run_id).where(DagRun.dag_id == "solaris_refresh",
-                                                           DagRun.state == "success")).all()
-    if runs:
-        return runs[-1]
-    monkeypatch.setenv("SOLARIS_OFFLINE", str(tmp_path / "offline"))
-    yaml_path = _sqlite_yaml(tmp_path)
-    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(yaml_path))
-    _run_dag_test(tmp_path / "offline", yaml_path)
-    return _finished_refresh_run(tmp_path, monkeypatch)
-
-
-def test_operator_screens_in_a_real_browser(airflow_env, tmp_path, monkeypatch):
-    """What an operator sees, rendered by headless Chromium (Debian's chromium + chromedriver, Selenium): the
-    Airflow UI (its API server on a free loopback port, over this module's metadata DB with a finished refresh
-    run) shows the refresh DAG's graph with all its tasks and its owner, the run with every task's state, and the
-    asset events the tasks emitted with their step's numbers; `feast ui` over the project's repo (and Feast's CLI)
-    lists the three feature views, each with its TTL (an override shows), owner and version policy; the evaluation report (report.html, rendered from the committed
-    benchmarks/results/evaluation_synth.json) loads every plot. Screenshots under artifacts/screenshots/."""
-    import shutil
-    import urllib.parse
-
-    from selenium.webdriver.common.action_chains import ActionChains
-
-    from solaris_jobs.dev.airflow_local import LocalAirflow
-    from solaris_jobs.evaluation import report
-    from tests.support import FeastUI, feast_repo, headless_chromium, wait_for_text
-    run_id = _finished_refresh_run(tmp_path, monkeypatch)
-    extras = _asset_extras(run_id)
-    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
-    SCREENSHOTS.mkdir(parents=True)
-    tasks = ["validate", "drain_misses", "select", "embed", "aggregate", "neighbours", "report", "materialize"]
-    # Feast's own CLI first (`feast apply`, `feature-views list`, `registry-dump`): every entity, view and the
-    # FeatureService carry a description and the deployment's owner; each view's tags give its tier, its TTL as
-    # configured (an override shows) and the model-version policy.
-    ttls = {"pair_embeddings": "90min", "user_aggregates": "24h", "neighbours": "24h"}
-    repo, feast_env, feast = feast_repo(tmp_path / "feast", {"SOLARIS_OWNER": "ml-platform@example.com",
-                                                             "SOLARIS_TTL_PAIR_EMBEDDINGS": "90min"})
-    listed, registry = feast("feature-views", "list").stdout, json.loads(feast("registry-dump").stdout)
-    views = {v["spec"]["name"]: v["spec"] for v in registry["featureViews"]}
-    assert set(views) == set(ttls)
-    for name, tier in (("pair_embeddings", "pair"), ("user_aggregates", "user_aggregate"), ("neighbours", "neighbour")):
-        spec = views[name]
-        assert name in listed and spec["owner"] == "ml-platform@example.com" and f"TTL {ttls[name]}" in spec[
-            "description"]
-        assert spec["tags"]["tier"] == tier and spec["tags"]["ttl"] == ttls[name], spec["tags"]
-        assert "pinned version" in spec["tags"]["model_version_policy"]
-    [service] = [f["spec"] for f in registry["featureServices"]]
-    assert service["name"] == "solaris_v1" and service["owner"] == "ml-platform@example.com"
-    assert "pair_embeddings 90min" in service["tags"]["ttls"] and service["description"]
-    entities = {e["spec"]["name"]: e["spec"] for e in registry["entities"]}
-    assert all(entities[e]["owner"] == "ml-platform@example.com" and entities[e]["description"]
-               for e in ("user", "item"))
-    rep = report.write(json.loads((ROOT / "benchmarks" / "results" / "evaluation_synth.json").read_text()),
-                       tmp_path / "report").with_suffix(".html")
-    with LocalAirflow(airflow_env["AIRFLOW_HOME"], services=("api-server",)) as af, FeastUI(repo, feast_env) as ui:
-        # validate writes no asset: its numbers are its XCom `summary` (the REST API, as the UI's XCom tab reads it).
-        summary = af.api("GET", f"/api/v2/dags/solaris_refresh/dagRuns/{urllib.parse.quote(run_id, safe='')}"
-                                f"/taskInstances/validate/xcomEntries/summary")["value"]
-        summary = json.loads(summary) if isinstance(summary, str) else summary
-        assert summary["step"] == "validate" and summary["events"] >= 0 and "users" in summary, summary
-        browser = headless_chromium()
-        try:
-            shot = lambda name: browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
-            browser.get(af.url + "/")
-            browser.add_cookie({"name": "_token", "value": af.token(), "path": "/"})     # logged in as admin
-            # The DAG: its owner, and its graph with every task.
-            browser.get(f"{af.url}/dags/solaris_refresh")
-            wait_for_text(browser, ["Owner", "solaris", "Created Asset Events"])
-            browser.find_element("css selector", "button[aria-label^='Show Graph']").click()
-            wait_for_text(browser, tasks)
-            nodes = {e.text.split("\n")[0] for e in browser.find_elements("css selector", ".react-flow__node")}
-            assert set(tasks) <= nodes, nodes
-            shot("airflow_graph")
-            # The run: every task succeeded.
-            browser.get(f"{af.url}/dags/solaris_refresh/runs/{run_id}")
-            text = wait_for_text(browser, ["8 Task Instances", "Success", *tasks])
-            assert "Failed" not in text
-            shot("airflow_run")
-            # Each step's asset event, its extra unfolded: the numbers the step published.
-            for task, asset, keys in (("select", "solaris_selection", ("pairs_considered", "pairs_selected")),
-                                      ("embed", "solaris_pair_embeddings", ("pairs", "model_pairs_per_s")),
-                                      ("report", "solaris_reports", ("requests", "coverage_none")),
-                                      ("materialize", "solaris_online_store", ("pair_embeddings_written",))):
-                browser.get(f"{af.url}/dags/solaris_refresh/runs/{run_id}/tasks/{task}/asset_events")
-                wait_for_text(browser, ["1 Asset Event", asset])
-                js = lambda v: json.dumps(int(v) if isinstance(v, float) and v.is_integer() else v)   # JSON.stringify
-                shown = wait_for_text(browser, [f'"{k}": {js(extras[asset][k])}' for k in keys],
-                                      until=lambda: [ActionChains(browser).move_to_element(f).click().perform()
-                                                     for f in browser.find_elements(
-                                                         "css selector", ".codicon-folding-collapsed")])
-                assert f'"step": "{task}"' in shown
-                if task == "select":
-                    shot("airflow_asset_event")
-            # Feast: the three views, each with its TTL tag and owner.
-            browser.get(f"{ui.url}/p/solaris/feature-view")
-            wait_for_text(browser, ["Feature Views", "pair_embeddings", "user_aggregates", "neighbours"])
-            shot("feast_views")
-            for view, ttl in ttls.items():
-                browser.get(f"{ui.url}/p/solaris/feature-view/{view}")
-                text = wait_for_text(browser, ["model_version_policy", "ml-platform@example.com", f"TTL {ttl}"])
-                assert f"\nttl\n{ttl}\n" in text, text
-                if view == "pair_embeddings":
-                    shot("feast_pair_embeddings")
-            # The report: one page, every plot decoded and drawn.
-            browser.get(rep.as_uri())
-            wait_for_text(browser, ["Targets", "VM + SOLARIS, all tiers"])
-            sizes = browser.execute_script(
-                "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
-            assert len(sizes) >= 4 and all(c and w > 100 and h > 100 for c, w, h in sizes), sizes
-            browser.execute_script("document.images[0].scrollIntoView()")
-            shot("report")
-        finally:
-            browser.quit()
-    assert all((SCREENSHOTS / f"{n}.png").stat().st_size > 10_000 for n in (
-        "airflow_graph", "airflow_run", "airflow_asset_event", "feast_views", "feast_pair_embeddings", "report"))
 
 
 def test_two_runs_of_one_interval_started_at_once_one_refused_the_other_complete(airflow_env, spark, tmp_path,
@@ -469,55 +347,6 @@ def _online_digest(db: Path) -> str:
     h.update(repr(sorted(k for k, in conn.execute("SELECT interval_end FROM solaris_materialized"))).encode())
     conn.close()
     return h.hexdigest()
-
-
-def test_real_airflow_rest_trigger_and_cli_backfill(airflow_env, spark, tmp_path):
-    """API server, scheduler, DAG processor and triggerer as real processes on free ports, and the Spark Connect
-    server `solaris airflow` starts beside them. One run is triggered and watched through the REST API, the
-    interval before it is backfilled with Airflow's own `airflow backfill create`; every task runs in its own
-    process (LocalExecutor), and the Spark steps connect to the one long-lived Spark instead of starting a JVM. The
-    backfilled interval's outputs through Spark Connect equal an in-process run of it, row for row."""
-    from solaris_jobs.dev.airflow_local import LocalAirflow
-    from solaris_jobs.online import store_config
-    from solaris_jobs.online.materialize import materialized_intervals
-    yaml_path = _sqlite_yaml(tmp_path)
-    env = {"SOLARIS_OFFLINE": str(tmp_path / "offline"), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
-           "SOLARIS_END_DATE": ML_END.isoformat(), "SOLARIS_SPARK_MASTER": "local[2]",
-           "SOLARIS_SPARK_DRIVER_MEMORY": "1g", "SOLARIS_RETRIES": "0"}
-    earlier = ML_END - 2 * HOUR                       # logical date = start of the interval [earlier, ML_END - 1h)
-    with LocalAirflow(tmp_path / "airflow", env=env, parallelism=2, spark_connect=True) as af:
-        connect = af.env()["SOLARIS_SPARK_MASTER"]
-        assert connect == af.spark.shared_url and connect.startswith(af.spark.url + "/;session_id=")
-        af.wait_for_dag("solaris_refresh")
-        run_id = af.trigger("solaris_refresh", (ML_END - HOUR).isoformat(), ML_END.isoformat())
-        res = af.cli("backfill", "create", "--dag-id", "solaris_refresh", "--from-date", earlier.isoformat(),
-                     "--to-date", earlier.isoformat())
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-        backfill_runs = af.runs("solaris_refresh", run_type="backfill")
-        assert [pd.Timestamp(r["data_interval_end"]) for r in backfill_runs] == [ML_END - HOUR]
-        states = {}
-        for rid in (run_id, backfill_runs[0]["dag_run_id"]):
-            state = af.wait_for_run("solaris_refresh", rid, timeout=1200)
-            states[rid] = af.task_states("solaris_refresh", rid)
-            assert state == "success", (states, sorted((tmp_path / "airflow" / "logs").rglob("*.log"))[-3:])
-    for tasks in states.values():
-        assert set(tasks.values()) == {"success"} and len(tasks) == 8
-    assert af.spark is not None and af.spark.proc is None                     # stopped with Airflow
-    logs = {p.parent.name.removeprefix("task_id="): p.read_text(errors="replace")
-            for p in (tmp_path / "airflow" / "logs").rglob("*.log") if "task_id=" in str(p)}
-    spark_tasks = {t for t, text in logs.items() if f"Spark Connect session at {connect}" in text}
-    assert {"select", "embed", "aggregate", "neighbours"} <= spark_tasks, sorted(logs)
-    cfg = store_config.load(ROOT / "feature_repo", yaml_path)
-    done = materialized_intervals(cfg)
-    assert {ML_END - HOUR, ML_END} <= set(done)
-    assert done[ML_END - HOUR]["interval_start"] == earlier.isoformat()
-    assert _dump_sqlite(tmp_path / "online.db")["solaris_pair_embeddings"]
-    # The backfilled interval is the earlier one: nothing it reads depends on the triggered run's outputs.
-    from solaris_jobs.pipeline import jobs
-    s = Settings.from_env(offline=str(tmp_path / "in_process"))
-    jobs.run(spark, s, earlier, ML_END - HOUR)
-    counts = assert_same_outputs(tmp_path / "offline", s.offline, ML_END - HOUR, rtol=1e-5, atol=1e-6)
-    assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
 
 
 def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path, monkeypatch):
@@ -640,3 +469,196 @@ def test_solaris_airflow_stopped_by_sigterm_leaves_no_process(tmp_path):
                 except ProcessLookupError:
                     pass
             time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------------------------------ the live Airflow
+
+@dataclass(frozen=True)
+class LiveRefresh:
+    """What the module's live Airflow ran: two intervals of solaris_refresh, both finished."""
+    af: object             # the LocalAirflow, running
+    home: Path             # its AIRFLOW_HOME
+    offline: Path          # the offline store and the SQLite online store its tasks wrote
+    yaml_path: Path
+    triggered: str         # the run triggered through the REST API: the interval ending ML_END
+    backfilled: str        # the run `airflow backfill create` made: the interval before it
+    states: dict           # {run id: {task id: state}}
+
+
+@pytest.fixture(scope="module")
+def live_refresh(airflow_env, tmp_path_factory):
+    """Airflow for real, started once for this module: API server, scheduler, DAG processor and triggerer as
+    processes on free ports, and the Spark Connect server `solaris airflow` starts beside them. Its metadata DB is
+    its own (the dag.test() runs of the other tests write this module's DB in-process; a scheduler beside them would
+    contend for SQLite's lock). One run is triggered through the REST API, the interval before it is backfilled with
+    Airflow's own `airflow backfill create`; both are finished when a test gets them, and the tests only read them,
+    so none depends on another having run. The tests that use it are the module's last, so that it runs only while
+    they do (a module's fixture stops at the module's end)."""
+    from solaris_jobs.dev.airflow_local import LocalAirflow
+    work = tmp_path_factory.mktemp("live_airflow")
+    yaml_path = _sqlite_yaml(work)
+    env = {"SOLARIS_OFFLINE": str(work / "offline"), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
+           "SOLARIS_END_DATE": ML_END.isoformat(), "SOLARIS_SPARK_MASTER": "local[2]",
+           "SOLARIS_SPARK_DRIVER_MEMORY": "1g", "SOLARIS_RETRIES": "0"}
+    earlier = ML_END - 2 * HOUR                       # logical date = start of the interval [earlier, ML_END - 1h)
+    with LocalAirflow(work / "airflow", env=env, parallelism=2, spark_connect=True) as af:
+        af.wait_for_dag("solaris_refresh")
+        triggered = af.trigger("solaris_refresh", (ML_END - HOUR).isoformat(), ML_END.isoformat())
+        res = af.cli("backfill", "create", "--dag-id", "solaris_refresh", "--from-date", earlier.isoformat(),
+                     "--to-date", earlier.isoformat())
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        backfill_runs = af.runs("solaris_refresh", run_type="backfill")
+        assert [pd.Timestamp(r["data_interval_end"]) for r in backfill_runs] == [ML_END - HOUR]
+        states = {}
+        for rid in (triggered, backfill_runs[0]["dag_run_id"]):
+            state = af.wait_for_run("solaris_refresh", rid, timeout=1200)
+            states[rid] = af.task_states("solaris_refresh", rid)
+            assert state == "success", (states, sorted((work / "airflow" / "logs").rglob("*.log"))[-3:])
+        yield LiveRefresh(af, work / "airflow", work / "offline", yaml_path, triggered, backfill_runs[0]["dag_run_id"],
+                          states)
+    assert af.spark is not None and af.spark.proc is None                     # stopped with Airflow
+
+
+def _asset_extras_live(af, run_id: str) -> dict:
+    """{asset name: extra} of the asset events a run of the live Airflow emitted (its REST API)."""
+    import urllib.parse
+    q = urllib.parse.urlencode({"source_dag_id": "solaris_refresh", "source_run_id": run_id, "limit": 100})
+    return {e["name"]: e["extra"] for e in af.api("GET", f"/api/v2/assets/events?{q}")["asset_events"]}
+
+
+def test_real_airflow_rest_trigger_and_cli_backfill(live_refresh, spark, tmp_path):
+    """The module's live Airflow (API server, scheduler, DAG processor and triggerer as real processes, and the
+    Spark Connect server beside them) ran one run triggered and watched through the REST API and the interval before
+    it backfilled with Airflow's own `airflow backfill create`; every task ran in its own process (LocalExecutor),
+    and the Spark steps connected to the one long-lived Spark instead of starting a JVM. The backfilled interval's
+    outputs through Spark Connect equal an in-process run of it, row for row."""
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialized_intervals
+    live, earlier = live_refresh, ML_END - 2 * HOUR
+    connect = live.af.env()["SOLARIS_SPARK_MASTER"]
+    assert connect == live.af.spark.shared_url and connect.startswith(live.af.spark.url + "/;session_id=")
+    assert set(live.states) == {live.triggered, live.backfilled}
+    for tasks in live.states.values():
+        assert set(tasks.values()) == {"success"} and len(tasks) == 8
+    logs = {p.parent.name.removeprefix("task_id="): p.read_text(errors="replace")
+            for p in (live.home / "logs").rglob("*.log") if "task_id=" in str(p)}
+    spark_tasks = {t for t, text in logs.items() if f"Spark Connect session at {connect}" in text}
+    assert {"select", "embed", "aggregate", "neighbours"} <= spark_tasks, sorted(logs)
+    cfg = store_config.load(ROOT / "feature_repo", live.yaml_path)
+    done = materialized_intervals(cfg)
+    assert {ML_END - HOUR, ML_END} <= set(done)
+    assert done[ML_END - HOUR]["interval_start"] == earlier.isoformat()
+    assert _dump_sqlite(live.yaml_path.parent / "online.db")["solaris_pair_embeddings"]
+    # The backfilled interval is the earlier one: nothing it reads depends on the triggered run's outputs.
+    from solaris_jobs.pipeline import jobs
+    s = Settings.from_env(offline=str(tmp_path / "in_process"))
+    jobs.run(spark, s, earlier, ML_END - HOUR)
+    counts = assert_same_outputs(live.offline, s.offline, ML_END - HOUR, rtol=1e-5, atol=1e-6)
+    assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0
+
+
+def test_operator_screens_in_a_real_browser(live_refresh, tmp_path):
+    """What an operator sees, rendered by headless Chromium (Debian's chromium + chromedriver, Selenium): the
+    Airflow UI (the module's live Airflow, its API server on a free loopback port; the run it was triggered for)
+    shows the refresh DAG's graph with all its tasks and its owner, the run with every task's state, and the
+    asset events the tasks emitted with their step's numbers; `feast ui` over the project's repo (and Feast's CLI)
+    lists the three feature views, each with its TTL (an override shows), owner and version policy; the evaluation
+    report (report.html, rendered from the committed benchmarks/results/evaluation_synth.json) loads every plot.
+    Screenshots under artifacts/screenshots/."""
+    import shutil
+    import urllib.parse
+
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    from solaris_jobs.evaluation import report
+    from tests.support import FeastUI, feast_repo, headless_chromium, wait_for_text
+    af, run_id = live_refresh.af, live_refresh.triggered
+    extras = _asset_extras_live(af, run_id)
+    assert set(extras) >= {"solaris_selection", "solaris_pair_embeddings", "solaris_reports", "solaris_online_store"}
+    shutil.rmtree(SCREENSHOTS, ignore_errors=True)
+    SCREENSHOTS.mkdir(parents=True)
+    tasks = ["validate", "drain_misses", "select", "embed", "aggregate", "neighbours", "report", "materialize"]
+    # Feast's own CLI first (`feast apply`, `feature-views list`, `registry-dump`): every entity, view and the
+    # FeatureService carry a description and the deployment's owner; each view's tags give its tier, its TTL as
+    # configured (an override shows) and the model-version policy.
+    ttls = {"pair_embeddings": "90min", "user_aggregates": "24h", "neighbours": "24h"}
+    repo, feast_env, feast = feast_repo(tmp_path / "feast", {"SOLARIS_OWNER": "ml-platform@example.com",
+                                                             "SOLARIS_TTL_PAIR_EMBEDDINGS": "90min"})
+    listed, registry = feast("feature-views", "list").stdout, json.loads(feast("registry-dump").stdout)
+    views = {v["spec"]["name"]: v["spec"] for v in registry["featureViews"]}
+    assert set(views) == set(ttls)
+    for name, tier in (("pair_embeddings", "pair"), ("user_aggregates", "user_aggregate"), ("neighbours", "neighbour")):
+        spec = views[name]
+        assert name in listed and spec["owner"] == "ml-platform@example.com" and f"TTL {ttls[name]}" in spec[
+            "description"]
+        assert spec["tags"]["tier"] == tier and spec["tags"]["ttl"] == ttls[name], spec["tags"]
+        assert "pinned version" in spec["tags"]["model_version_policy"]
+    [service] = [f["spec"] for f in registry["featureServices"]]
+    assert service["name"] == "solaris_v1" and service["owner"] == "ml-platform@example.com"
+    assert "pair_embeddings 90min" in service["tags"]["ttls"] and service["description"]
+    entities = {e["spec"]["name"]: e["spec"] for e in registry["entities"]}
+    assert all(entities[e]["owner"] == "ml-platform@example.com" and entities[e]["description"]
+               for e in ("user", "item"))
+    rep = report.write(json.loads((ROOT / "benchmarks" / "results" / "evaluation_synth.json").read_text()),
+                       tmp_path / "report").with_suffix(".html")
+    with FeastUI(repo, feast_env) as ui:
+        # validate writes no asset: its numbers are its XCom `summary` (the REST API, as the UI's XCom tab reads it).
+        summary = af.api("GET", f"/api/v2/dags/solaris_refresh/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+                                f"/taskInstances/validate/xcomEntries/summary")["value"]
+        summary = json.loads(summary) if isinstance(summary, str) else summary
+        assert summary["step"] == "validate" and summary["events"] >= 0 and "users" in summary, summary
+        browser = headless_chromium()
+        try:
+            shot = lambda name: browser.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+            browser.get(af.url + "/")
+            browser.add_cookie({"name": "_token", "value": af.token(), "path": "/"})     # logged in as admin
+            # The DAG: its owner, and its graph with every task.
+            browser.get(f"{af.url}/dags/solaris_refresh")
+            wait_for_text(browser, ["Owner", "solaris", "Created Asset Events"])
+            browser.find_element("css selector", "button[aria-label^='Show Graph']").click()
+            wait_for_text(browser, tasks)
+            nodes = {e.text.split("\n")[0] for e in browser.find_elements("css selector", ".react-flow__node")}
+            assert set(tasks) <= nodes, nodes
+            shot("airflow_graph")
+            # The run: every task succeeded.
+            browser.get(f"{af.url}/dags/solaris_refresh/runs/{run_id}")
+            text = wait_for_text(browser, ["8 Task Instances", "Success", *tasks])
+            assert "Failed" not in text
+            shot("airflow_run")
+            # Each step's asset event, its extra unfolded: the numbers the step published.
+            for task, asset, keys in (("select", "solaris_selection", ("pairs_considered", "pairs_selected")),
+                                      ("embed", "solaris_pair_embeddings", ("pairs", "model_pairs_per_s")),
+                                      ("report", "solaris_reports", ("requests", "coverage_none")),
+                                      ("materialize", "solaris_online_store", ("pair_embeddings_written",))):
+                browser.get(f"{af.url}/dags/solaris_refresh/runs/{run_id}/tasks/{task}/asset_events")
+                wait_for_text(browser, ["1 Asset Event", asset])
+                js = lambda v: json.dumps(int(v) if isinstance(v, float) and v.is_integer() else v)   # JSON.stringify
+                shown = wait_for_text(browser, [f'"{k}": {js(extras[asset][k])}' for k in keys],
+                                      until=lambda: [ActionChains(browser).move_to_element(f).click().perform()
+                                                     for f in browser.find_elements(
+                                                         "css selector", ".codicon-folding-collapsed")])
+                assert f'"step": "{task}"' in shown
+                if task == "select":
+                    shot("airflow_asset_event")
+            # Feast: the three views, each with its TTL tag and owner.
+            browser.get(f"{ui.url}/p/solaris/feature-view")
+            wait_for_text(browser, ["Feature Views", "pair_embeddings", "user_aggregates", "neighbours"])
+            shot("feast_views")
+            for view, ttl in ttls.items():
+                browser.get(f"{ui.url}/p/solaris/feature-view/{view}")
+                text = wait_for_text(browser, ["model_version_policy", "ml-platform@example.com", f"TTL {ttl}"])
+                assert f"\nttl\n{ttl}\n" in text, text
+                if view == "pair_embeddings":
+                    shot("feast_pair_embeddings")
+            # The report: one page, every plot decoded and drawn.
+            browser.get(rep.as_uri())
+            wait_for_text(browser, ["Targets", "VM + SOLARIS, all tiers"])
+            sizes = browser.execute_script(
+                "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight])")
+            assert len(sizes) >= 4 and all(c and w > 100 and h > 100 for c, w, h in sizes), sizes
+            browser.execute_script("document.images[0].scrollIntoView()")
+            shot("report")
+        finally:
+            browser.quit()
+    assert all((SCREENSHOTS / f"{n}.png").stat().st_size > 10_000 for n in (
+        "airflow_graph", "airflow_run", "airflow_asset_event", "feast_views", "feast_pair_embeddings", "report"))

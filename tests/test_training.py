@@ -50,8 +50,11 @@ def test_fm_beats_vm_and_both_beat_base_rate_on_movielens(movielens_runs):
     for r in movielens_runs:
         assert r["fm"]["test_bce"] < base and r["vm"]["test_bce"] < base
         assert r["fm"]["test_auc"] > 0.7 and r["vm"]["test_auc"] > 0.65
-    # The FM is better than the VM by more than the seed-to-seed spread (DESIGN.md: 3-4% on this split).
-    assert mean("fm") < mean("vm") - 0.005
+    # The FM is better than the VM by more than the seed-to-seed spread measured here (the range of each model's
+    # test BCE over the two seeds), and by at least 0.005 (DESIGN.md: 3-4% on this split).
+    bce = {k: [r[k]["test_bce"] for r in movielens_runs] for k in ("fm", "vm")}
+    spread = max(np.ptp(bce["fm"]), np.ptp(bce["vm"]))
+    assert mean("vm") - mean("fm") > max(spread, 0.005), bce
     split = movielens_runs[0]["fm"]["split"]
     assert (split["train_rows"], split["test_rows"]) == (79_999, 10_000)
 
