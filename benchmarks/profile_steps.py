@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, default=100_000)
     ap.add_argument("--steps", nargs="+", default=list(jobs.SPARK_STEPS), choices=jobs.SPARK_STEPS)
-    ap.add_argument("--config", choices=("default", "evaluated"), default="evaluated")
+    ap.add_argument("--config", choices=("per-user-share", "evaluated"), default="evaluated")
     ap.add_argument("--work", default="/tmp/scale/work")
     ap.add_argument("--items", type=int, default=50_000)
     ap.add_argument("--days", type=float, default=2.0)

@@ -6,7 +6,9 @@ of the whole process tree (driver JVM, Python driver and workers, redis-server),
     .venv/bin/python benchmarks/scale.py --users 10000 100000 1000000
     .venv/bin/python benchmarks/scale.py --plot-only          # re-plot benchmarks/results/scale.json
 
-The settings are fixed here, before any run, and are the product's defaults except where said:
+Since #39 the product's defaults are the evaluated configuration (``--config evaluated``, the default here); the
+figures of the "default configuration" before then are ``--config per-user-share``. Its settings were fixed here,
+before any run, and were the product's defaults except where said:
 - the log: ``solaris data synth`` defaults (ad-like traffic, 5% positives) with ``--days 2`` (one day of active
   users plus one day before them: an interval's work is driven by the users active in the last 24 h and their
   candidates; the 30-day lookback then reads the whole 2-day log, so log length is not what this measures) and
@@ -82,15 +84,19 @@ def train_models(data: Path, out: Path) -> dict:
 
 
 def settings_for(config: str, data: Path, offline: Path, models: Path, master: str):
-    """The refresh settings of ``config``: ``default`` (the product's defaults, with the overrides of the docstring)
+    """The refresh settings of ``config``: ``per-user-share`` (the product's defaults before #39, with the overrides of
+    the docstring)
     or ``evaluated`` (what the replay evaluation measured, from its own code)."""
-    from solaris_jobs.core.settings import Settings, apply_flags
+    from solaris_jobs.core.settings import PrecomputeConfig, Settings, apply_flags
     if config == "evaluated":
         from solaris_jobs.evaluation.config import EvalConfig, refresh_settings
         cfg = EvalConfig()
         s = refresh_settings(cfg, data, offline, models, cfg.budget)
         return replace(s, spark_master=master, spark_log_level="WARN")
-    return apply_flags(Settings(data=str(data), offline=str(offline), models=str(models), spark_master=master), {
+    # per-user-share: the refresh's defaults before #39 (the per-user top 20% of simulator candidates, misses forced
+    # in, negative exclusion), the "default configuration" of the figures before then.
+    return apply_flags(Settings(data=str(data), offline=str(offline), models=str(models), spark_master=master,
+                                precompute=PrecomputeConfig.per_user_share()), {
         "precompute.active_hours": 24.0, "precompute.lookback_days": 30.0,
         "precompute.simulator.n_candidates": 100,               # half of them popular
         "precompute.knn_requery": "all"})
@@ -100,11 +106,11 @@ def folders(work: Path, users: int, days: float, config: str) -> tuple[Path, Pat
     """The log's and the outputs' folders of a size (a log of other than 2 days gets its own)."""
     suffix = f"_{days:g}d" if days != 2.0 else ""
     return (work / f"data_{users}{suffix}",
-            work / (f"offline_{users}{suffix}" if config == "default" else f"offline_{config}_{users}{suffix}"))
+            work / (f"offline_{users}{suffix}" if config == "per-user-share" else f"offline_{config}_{users}{suffix}"))
 
 
 def one_size(users: int, items: int, days: float, work: Path, models: Path, master: str,
-             config: str = "default", phase: str = "cold", knn_requery: str | None = None) -> dict:
+             config: str = "evaluated", phase: str = "cold", knn_requery: str | None = None) -> dict:
     """Generates the log for ``users``, then runs its last hour through every stage; the figures as a dict.
     ``phase``: ``cold`` (the first interval: the offline store starts empty), ``previous`` (the hour before the
     last, the offline store emptied first) or ``steady`` (the last hour after ``previous``: its outputs kept)."""
@@ -213,8 +219,9 @@ def main() -> None:
     ap.add_argument("--days", type=float, default=2.0)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--work", default=None, help="Folder for logs, models and outputs (default: a temporary one).")
-    ap.add_argument("--config", choices=("default", "evaluated"), default="default",
-                    help="The refresh settings: the product's defaults, or those the replay evaluation measured.")
+    ap.add_argument("--config", choices=("per-user-share", "evaluated"), default="evaluated",
+                    help="The refresh settings: those the replay evaluation measured (the product's defaults since "
+                         "#39), or the per-user top share (the defaults before).")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/scale.json (scale_evaluated.json)")
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--steady", action="store_true", help="A steady-state interval: the last hour after the one "
@@ -224,7 +231,7 @@ def main() -> None:
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)   # the child process of one size
     ap.add_argument("--phase", default="cold", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    name = "scale" + ("" if args.config == "default" else f"_{args.config}") + ("_steady" if args.steady else "") \
+    name = "scale" + ("" if args.config == "per-user-share" else f"_{args.config}") + ("_steady" if args.steady else "") \
         + (f"_knn_{args.knn_requery}" if args.knn_requery else "")
     out = Path(args.out or OUT / f"{name}.json")
     if args.one:

@@ -29,8 +29,10 @@ ML_END = pd.Timestamp("1998-03-01T00:00:00Z")
 ML_START = ML_END - pd.Timedelta(hours=1)
 # A 30-day lookback (as the DAG tests use): the reference computations in the tests read the same window
 # (ML_LOOKBACK_START), not the whole 7-month log.
-ML_CFG = PrecomputeConfig(lookback_days=30, active_hours=24 * 14, history_len=10, batch_size=256,
-                          simulator=SimulatorConfig().with_candidates(60))
+# The per-user top share (not the defaults' budget): the MovieLens tests check that path's selection, exclusion and
+# forced misses, and what the DAGs, spark-submit and the stores do with any selection.
+ML_CFG = PrecomputeConfig.per_user_share(lookback_days=30, active_hours=24 * 14, history_len=10, batch_size=256,
+                                         simulator=SimulatorConfig().with_candidates(60))
 ML_LOOKBACK_START = ML_END - pd.Timedelta(days=ML_CFG.lookback_days)
 
 

@@ -26,10 +26,11 @@ HEAVY = ("torch", "pyspark", "feast", "pandas", "solaris_jobs", "faiss", "redis"
 def _precompute_json() -> str:
     # Users active in the last 2 days (ML_CFG's 2 weeks selects ~6x the pairs): an interval takes about half the
     # time, and the DAG tests run about 20 of them.
-    return json.dumps({"lookback_days": ML_CFG.lookback_days, "active_hours": 48,
-                       "history_len": ML_CFG.history_len, "batch_size": ML_CFG.batch_size,
-                       "simulator": {"n_candidates": ML_CFG.simulator.n_candidates,
-                                     "n_popular": ML_CFG.simulator.n_popular}})
+    c = ML_CFG
+    return json.dumps({"lookback_days": c.lookback_days, "active_hours": 48, "history_len": c.history_len,
+                       "batch_size": c.batch_size, "budget_per_row": c.budget_per_row, "recent_hours": c.recent_hours,
+                       "select_priority": c.select_priority, "exclusion_runs": c.exclusion_runs,
+                       "simulator": {"n_candidates": c.simulator.n_candidates, "n_popular": c.simulator.n_popular}})
 
 
 @pytest.fixture(scope="module")

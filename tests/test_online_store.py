@@ -151,6 +151,7 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     assert _dump(client) == {}
 
     t0 = time.time()
+    monkeypatch.setenv("SOLARIS_TTL_PAIR_EMBEDDINGS", "4h")     # not the user views' 24 h (the default since #39)
     st = materialize(cfg, offline, ML_END, expire_from="write")
     for name, df in off.items():
         assert st["views"][name]["rows"] == st["views"][name]["written"] == len(df), name

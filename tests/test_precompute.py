@@ -281,8 +281,8 @@ def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):
 
 
 def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root, synth_models, tmp_path):
-    cfg = PrecomputeConfig(history_len=10, exclusion_runs=2, exclusion_share=0.5, active_hours=48,
-                              simulator=SimulatorConfig(n_candidates=30, n_popular=10))
+    cfg = PrecomputeConfig.per_user_share(history_len=10, exclusion_runs=2, exclusion_share=0.5, active_hours=48,
+                                          simulator=SimulatorConfig(n_candidates=30, n_popular=10))
     offline = str(tmp_path / "off")
     start = pd.Timestamp("2026-01-06T00:00:00Z")
     # A serving miss recorded before the first run: its pair must be forced into that run's selection.

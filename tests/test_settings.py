@@ -36,11 +36,37 @@ def test_settings_from_env_json_and_flags_agree():
                                                                                         n_popular=30))
 
 
+def test_the_defaults_are_the_evaluated_configuration(tmp_path):
+    """The refresh's defaults are the configuration the replay evaluation measured, as the evaluation's own code
+    builds it for its headline: a later evaluation that changes its headline must change the product with it (and
+    this test names the field). The one field apart, by design: ``lookback_days``, the whole log in the
+    evaluation (its log is 5 days long), 30 days in the product (equal on any log of 30 days or less)."""
+    from dataclasses import fields
+
+    from solaris_jobs.evaluation.config import EvalConfig, refresh_settings, ttls
+    cfg = EvalConfig()
+    evaluated = refresh_settings(cfg, tmp_path, tmp_path, tmp_path, cfg.budget)
+    default = Settings(data=str(tmp_path), offline=str(tmp_path), models=str(tmp_path))
+    apart = {f.name: (getattr(default.precompute, f.name), getattr(evaluated.precompute, f.name))
+             for f in fields(PrecomputeConfig) if getattr(default.precompute, f.name) != getattr(evaluated.precompute,
+                                                                                                f.name)}
+    assert apart == {"lookback_days": (30.0, None)}, apart
+    assert ttls(cfg) == st.ttl_env(st.VIEW_TTLS)
+    assert default.expire_from == evaluated.expire_from
+    # The refresh DAG's default schedule is the evaluation's hourly cadence.
+    assert cfg.cadence == "1h" and '"SOLARIS_REFRESH_CRON", "0 * * * *"' in (ROOT / "dags" /
+                                                                            "solaris_refresh.py").read_text()
+    # The per-user top share stays as a named option, and is not the default.
+    share = PrecomputeConfig.per_user_share()
+    assert share.budget_per_row is None and share.exclusion_runs == 3 and share.simulator.n_candidates == 200
+    assert st.apply_flags(default, {"precompute.budget_per_row": 0}).precompute.budget_per_row is None
+
+
 @pytest.mark.parametrize("env, message", [
     ({"SOLARIS_PRECOMPUTE": '{"lookback": 3}'}, r"SOLARIS_PRECOMPUTE \(precompute.lookback\): Unexpected"),
     ({"SOLARIS_PRECOMPUTE": "{oops"}, "SOLARIS_PRECOMPUTE is not JSON"),
     ({"SOLARIS_PRECOMPUTE": '{"select_share": 0}'}, r"precompute.select_share\): Input should be greater than 0"),
-    ({"SOLARIS_PRECOMPUTE": '{"simulator": {"n_candidates": 10}}'}, r"n_popular \(100\) is more than n_candidates"),
+    ({"SOLARIS_PRECOMPUTE": '{"simulator": {"n_candidates": 5}}'}, r"n_popular \(10\) is more than n_candidates"),
     ({"SOLARIS_EXPIRE_FROM": "later"}, r"SOLARIS_EXPIRE_FROM \(expire_from\): Input should be 'event' or 'write'"),
     ({"SOLARIS_MODELS": ""}, r"set SOLARIS_MODELS \(--models\)"),
 ])

@@ -33,8 +33,8 @@ _STRICT = ConfigDict(extra="forbid")
 @dataclass(frozen=True, config=_STRICT)
 class SimulatorConfig:
     """The request simulator's candidate-set sizes and windows (``solaris_jobs.data.requests``)."""
-    n_candidates: int = Field(200, ge=1)
-    n_popular: int = Field(100, ge=0)
+    n_candidates: int = Field(20, ge=1)
+    n_popular: int = Field(10, ge=0)
     popularity_hours: float = Field(168.0, gt=0)
     history_items: int = Field(10, ge=1)
     covisit_window: int = Field(3, ge=1)
@@ -53,6 +53,13 @@ class SimulatorConfig:
 @dataclass(frozen=True, config=_STRICT)
 class PrecomputeConfig:
     """Settings of one refresh (``SOLARIS_PRECOMPUTE`` JSON and the job flags map onto these fields).
+
+    The defaults are the configuration the replay evaluation measured (its headline settings,
+    ``solaris_jobs.evaluation.config``; ``tests/test_settings.py`` fails when the two drift apart): one FM budget
+    of 0.5 inferences per served row over one pool (pairs ranked in the last 24 h, 20 request-simulator candidates
+    per active user, misses), ranked by recency then the verifier, negative exclusion off. The paper's per-user
+    top share of the verifier's ranking stays as a named option: ``PrecomputeConfig.per_user_share()`` (the
+    refresh's earlier defaults; ``--budget-per-row 0`` drops the budget alone).
 
     Attributes:
         simulator: candidate-set sizes and windows of the request simulator.
@@ -102,11 +109,11 @@ class PrecomputeConfig:
     lookback_days: float | None = Field(30.0, gt=0)
     select_share: float = Field(0.2, gt=0, le=1)
     select_scope: Literal["user", "global"] = "user"
-    recent_hours: float = Field(0.0, ge=0)
-    budget_per_row: float | None = Field(None, gt=0)
+    recent_hours: float = Field(24.0, ge=0)
+    budget_per_row: float | None = Field(0.5, gt=0)
     budget_window_hours: float = Field(24.0, gt=0)
-    select_priority: Literal["verifier", "recency"] = "verifier"
-    exclusion_runs: int = Field(3, ge=0)
+    select_priority: Literal["verifier", "recency"] = "recency"
+    exclusion_runs: int = Field(0, ge=0)
     exclusion_share: float = Field(0.5, ge=0, le=1)
     miss_hours: float = Field(24.0, ge=0)
     history_len: int | None = Field(None, ge=1)
@@ -124,6 +131,15 @@ class PrecomputeConfig:
     state_keep_hours: float = Field(6.0, ge=0)
     torch_threads: int = Field(1, ge=1)
 
+    @classmethod
+    def per_user_share(cls, **kw) -> "PrecomputeConfig":
+        """The per-user top share (the paper's selection, and the refresh's default before it took the evaluated
+        configuration): no budget, the verifier's top ``select_share`` (20%) of each user's 200 request-simulator
+        candidates with the misses forced in on top, no recently ranked pairs in the pool, negative exclusion over
+        the last 3 runs. Its quality was not measured by the replay evaluation. ``kw``: other fields."""
+        return cls(**{"budget_per_row": None, "recent_hours": 0.0, "select_priority": "verifier", "exclusion_runs": 3,
+                      "simulator": SimulatorConfig(n_candidates=200, n_popular=100), **kw})
+
 
 def _describe(cls, descriptions: dict[str, str]) -> None:
     """Sets the description of ``cls``'s fields (what ``describe`` and the CLI's help read)."""
@@ -140,7 +156,7 @@ _describe(PrecomputeConfig, {
     "select_scope": "user: top share of each user's candidates; global: top share of all pairs.",
     "recent_hours": "Pairs ranked for the user in the last this many hours join the candidate pool (0: off).",
     "budget_per_row": "One FM budget for the pool, misses included: this many FM inferences per row the log served "
-                      "per interval (default: the per-share selection).",
+                      "per interval (0: none, the verifier's top --select-share of each user's candidates).",
     "select_priority": "The global ranking under a budget: verifier score, or recency of the pair's last ranking "
                        "then verifier.",
     "exclusion_runs": "K: skip pairs in their user's bottom share in each of the last K runs (0: off).",
@@ -413,6 +429,8 @@ def apply_flags(s: Settings, values: dict[str, Any]) -> Settings:
             pc["simulator"] = asdict(s.precompute.simulator.with_candidates(int(value)))
         elif field == "precompute.lookback_days":
             pc["lookback_days"] = value or None          # 0: the whole log
+        elif field == "precompute.budget_per_row":
+            pc["budget_per_row"] = value or None         # 0: no budget (the per-user top share)
         elif field.startswith("precompute."):
             pc[field.split(".", 1)[1]] = value
         else:
@@ -511,7 +529,7 @@ def model_registry(env=None) -> Path:
 
 # ------------------------------------------------------------------------------------------------ store, cache
 
-VIEW_TTLS = {"pair_embeddings": "4h", "user_aggregates": "24h", "neighbours": "24h"}
+VIEW_TTLS = {"pair_embeddings": "24h", "user_aggregates": "24h", "neighbours": "24h"}
 
 
 def view_ttl(view: str, env=None) -> tuple[str, str]:

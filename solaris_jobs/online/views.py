@@ -1,7 +1,7 @@
 """The online feature views, as plain data: the one description that the Feast repo (``feature_repo/``), the
 fast materializer and the serving client all read, so that names, fields and TTLs cannot drift apart.
 
-TTLs come from the environment (``solaris_jobs.core.settings.view_ttl``: 4 h for pairs, 24 h for the user views by
+TTLs come from the environment (``solaris_jobs.core.settings.view_ttl``: 24 h for every view by
 default; any pandas Timedelta string); ``feast apply``, materialization and serving must see the same values.
 """
 from __future__ import annotations
