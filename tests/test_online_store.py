@@ -288,7 +288,14 @@ def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(m
     assert res.exit_code == 1 and "cannot read the serving metrics" in res.output, res.output
 
 
-def test_serving_tiers_ttl_version_misses_and_fail_open(ml_run, store, redis_server, tmp_path):
+@pytest.fixture
+def pair_ttl_4h(monkeypatch):
+    """A pair TTL shorter than the user views' 24 h (the default since #39 is 24 h for all), so that the tiers'
+    order over time shows: pair, then user aggregate, then nothing. Set before the store is materialized."""
+    monkeypatch.setenv("SOLARIS_TTL_PAIR_EMBEDDINGS", "4h")
+
+
+def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, store, redis_server, tmp_path):
     job, _ = ml_run
     off = _offline(job)
     pairs, agg = off["pair_embeddings"], off["user_aggregates"].set_index("user_id")

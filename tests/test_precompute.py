@@ -548,9 +548,10 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
     gap, and when the log's files of the state's hours changed (a late event)."""
     data = tmp_path / "data"
     shutil.copytree(synth_root, data)
-    cfg = PrecomputeConfig(history_len=10, lookback_days=1.5, exclusion_runs=0, active_hours=6,
-                              state_rebuild_hours=3, state_keep_hours=1,
-                              simulator=SimulatorConfig(n_candidates=20, n_popular=5))
+    # The per-user share: the request simulator runs every hour, on its own state.
+    cfg = PrecomputeConfig.per_user_share(history_len=10, lookback_days=1.5, exclusion_runs=0, active_hours=6,
+                                          state_rebuild_hours=3, state_keep_hours=1,
+                                          simulator=SimulatorConfig(n_candidates=20, n_popular=5))
     inc = Settings(data=str(data), offline=str(tmp_path / "inc"), models=str(synth_models), precompute=cfg)
     ref = replace(inc, offline=str(tmp_path / "ref"), precompute=replace(cfg, state_rebuild_hours=0))
     table = ev.read_events(data)
