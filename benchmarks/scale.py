@@ -84,9 +84,8 @@ def train_models(data: Path, out: Path) -> dict:
 
 
 def settings_for(config: str, data: Path, offline: Path, models: Path, master: str):
-    """The refresh settings of ``config``: ``per-user-share`` (the product's defaults before #39, with the overrides of
-    the docstring)
-    or ``evaluated`` (what the replay evaluation measured, from its own code)."""
+    """The refresh settings of ``config``: ``evaluated`` (what the replay evaluation measured, from its own code: the
+    product's defaults since #39) or ``per-user-share`` (the defaults before, with the overrides of the docstring)."""
     from solaris_jobs.core.settings import PrecomputeConfig, Settings, apply_flags
     if config == "evaluated":
         from solaris_jobs.evaluation.config import EvalConfig, refresh_settings
