@@ -34,6 +34,9 @@ export PYSPARK_PYTHON := $(abspath $(BIN)/python)
 export PYSPARK_DRIVER_PYTHON := $(abspath $(BIN)/python)
 export SPARK_LOCAL_IP := 127.0.0.1
 PYTEST_ARGS ?=
+# The suite runs on 2 pytest-xdist workers, one test module each at a time (module fixtures start once); alone it
+# keeps a 2-core machine about 70% idle (Spark, JVM and Airflow start-ups wait): BENCHMARKS.md "Suite durations".
+TEST_WORKERS ?= 2
 
 .PHONY: demo test venv sysdeps browserdeps clean airflow
 
@@ -67,7 +70,7 @@ demo: $(STAMP) sysdeps
 	$(BIN)/solaris demo --workdir artifacts/demo
 
 test: $(STAMP) $(S3STAMP) sysdeps browserdeps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...),
 # pointed at the demo's data, models and offline store.

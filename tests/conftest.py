@@ -1,19 +1,37 @@
 """Shared fixtures: real MovieLens-100K and small synthetic data sets, built once per session."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from filelock import FileLock
 
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.data import movielens, synth
 from tests.support import ML_CFG, ML_END, ML_START, train_tiny_models
 
 
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """A folder of read-only inputs (data, checkpoints) built once for the whole run: under pytest-xdist the first
+    worker to ask builds it in the run's shared temporary folder while the others wait on a file lock, then all
+    read the same files (the suite runs on 2 workers: `make test`)."""
+    if worker_id == "master":
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    path = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{path}.lock"):
+        if not (path / ".built").exists():
+            path.mkdir(exist_ok=True)
+            build(path)
+            (path / ".built").touch()
+    return path
+
+
 @pytest.fixture(scope="session")
-def movielens_root(tmp_path_factory):
+def movielens_root(tmp_path_factory, worker_id):
     """MovieLens-100K from the recbole wheel (downloaded once into ~/.cache/solaris)."""
-    root = tmp_path_factory.mktemp("ml100k")
-    movielens.build(root)
-    return root
+    return built_once(tmp_path_factory, worker_id, "ml100k", movielens.build)
 
 
 @pytest.fixture(scope="session")
@@ -23,10 +41,8 @@ def synth_cfg():
 
 
 @pytest.fixture(scope="session")
-def synth_root(tmp_path_factory, synth_cfg):
-    root = tmp_path_factory.mktemp("synth")
-    synth.generate(synth_cfg, root)
-    return root
+def synth_root(tmp_path_factory, worker_id, synth_cfg):
+    return built_once(tmp_path_factory, worker_id, "synth", lambda root: synth.generate(synth_cfg, root))
 
 
 @pytest.fixture(scope="session")
@@ -41,13 +57,14 @@ def spark():
 
 
 @pytest.fixture(scope="session")
-def ml_models(movielens_root, tmp_path_factory):
-    return train_tiny_models(movielens_root, tmp_path_factory.mktemp("ml_tiny_models"))
+def ml_models(movielens_root, tmp_path_factory, worker_id):
+    return built_once(tmp_path_factory, worker_id, "ml_tiny_models", lambda out: train_tiny_models(movielens_root, out))
 
 
 @pytest.fixture(scope="session")
-def synth_models(synth_root, tmp_path_factory):
-    return train_tiny_models(synth_root, tmp_path_factory.mktemp("synth_tiny_models"), max_train_rows=None)
+def synth_models(synth_root, tmp_path_factory, worker_id):
+    return built_once(tmp_path_factory, worker_id, "synth_tiny_models",
+                      lambda out: train_tiny_models(synth_root, out, max_train_rows=None))
 
 
 @pytest.fixture(scope="session")
