@@ -487,3 +487,20 @@ def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(
     (tmp_path / "b" / "report.json").write_text(json.dumps(b))
     res = runner.invoke(main, ["evaluate-merge", a_path, b_path, "--out", str(tmp_path / "m4")])
     assert res.exit_code != 0 and "config differs" in res.output and "(n_boot)" in res.output and b_path in res.output
+
+
+def test_the_across_seed_interval_resamples_seeds_and_users_on_a_hand_made_case():
+    """Two seeds whose user resamples are constant (1 and 3): each resample's mean is 1, 2 or 3 with probability
+    1/4, 1/2, 1/4, so the 95% interval is [1, 3] and the value 2. One seed whose resamples are 0 or 2 half the time
+    each: the interval is [0, 2] about its point value. A seed's spread and the seeds' spread both reach the bound."""
+    r = metrics.across_seeds([np.ones(50), np.full(50, 3.0)], [1.0, 3.0], n_boot=4000)
+    assert r["value"] == 2.0 and r["ci"] == [1.0, 3.0] and r["seeds"] == 2 and "seeds with replacement" in r["method"]
+    r = metrics.across_seeds([np.array([0.0, 2.0] * 25)], [1.0], n_boot=4000)
+    assert r["value"] == 1.0 and r["ci"] == [0.0, 2.0]
+    # Five seeds, each sure of itself (no user spread): only the seeds' own spread widens the interval.
+    pts = [0.1, 0.2, 0.3, 0.4, 0.5]
+    r = metrics.across_seeds([np.full(10, p) for p in pts], pts, n_boot=4000)
+    means = np.random.default_rng(0).choice(pts, (20000, 5)).mean(axis=1)
+    assert abs(r["ci"][0] - np.quantile(means, 0.025)) < 0.021 and abs(r["ci"][1] - np.quantile(means, 0.975)) < 0.021
+    with pytest.raises(ValueError, match="2 seeds of resamples for 1 point"):
+        metrics.across_seeds([np.ones(3), np.ones(3)], [1.0])

@@ -149,3 +149,34 @@ def pair_ceiling(log_users, log_items, log_ts, users, items, ts, first_cutoff: i
     ts = np.asarray(ts, np.int64)
     last_refresh = first_cutoff + (ts - first_cutoff) // every * every
     return np.nan_to_num(seen, nan=np.inf) < last_refresh
+
+
+SEEDS_AND_USERS = ("two-stage percentile bootstrap: each resample draws the seeds with replacement, then for each "
+                   "drawn seed one of that seed's paired user resamples, and averages the statistic over the drawn "
+                   "seeds")
+
+
+def across_seeds(per_seed: list[np.ndarray], points: list[float], n_boot: int = 10_000, seed: int = 0,
+                 level: float = 0.95) -> dict:
+    """A statistic's mean over seeds with an interval that holds both the seed's variance (its data draw and its
+    models) and the users' (each seed's own paired user resamples).
+
+    Args:
+        per_seed: per seed, (B_s,) the statistic in each of that seed's user resamples (``PairedBootstrap``).
+        points: per seed, the statistic on all of that seed's rows.
+
+    Returns:
+        {"value": mean of ``points``, "ci": [lo, hi], "seeds": S, "method": ``SEEDS_AND_USERS``}.
+    """
+    if len(per_seed) != len(points) or not points:
+        raise ValueError(f"across_seeds: {len(per_seed)} seeds of resamples for {len(points)} point values")
+    samples = [np.asarray(s, np.float64) for s in per_seed]
+    rng = np.random.default_rng(seed)
+    drawn = rng.integers(0, len(samples), (n_boot, len(samples)))                 # (B, S) seeds drawn
+    pick = rng.random((n_boot, len(samples)))                                     # one user resample per draw
+    values = np.empty((n_boot, len(samples)))
+    for s, arr in enumerate(samples):
+        where = drawn == s
+        values[where] = arr[np.minimum((pick[where] * len(arr)).astype(np.int64), len(arr) - 1)]
+    lo, hi = interval(values.mean(axis=1), level)
+    return {"value": float(np.mean(points)), "ci": [lo, hi], "seeds": len(samples), "method": SEEDS_AND_USERS}
