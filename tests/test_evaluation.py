@@ -48,10 +48,17 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     assert s["variants"]["x"]["tr"] == pytest.approx(0.5) and s["variants"]["x"]["tr_ci"] == pytest.approx((0.5, 0.5))
     assert s["variants"]["kd"]["tr"] == pytest.approx(0.1)
     assert s["criterion"]["value"] == pytest.approx(0.5 - 1.5 * 0.1) and s["criterion"]["met"]
+    # dBCE = L_VM - L_X needs no FM gap: X keeps 0.11 per row, KD 0.022, so dBCE(x) - 1.5 dBCE(kd) = 0.077; on every
+    # resample it is 0.35 x that resample's FM gain, so its interval is 0.35 x the gap's.
+    assert s["variants"]["x"]["dbce"] == pytest.approx(0.11) and s["variants"]["kd"]["dbce"] == pytest.approx(0.022)
+    c = s["dbce_criterion"]
+    assert c["value"] == pytest.approx(0.077) and c["ci"] == pytest.approx(tuple(0.35 * g for g in s["gap"]["ci"]))
+    assert len(c["quantiles"]) == 101 and c["quantiles"][0] - 1e-8 <= c["ci"][0] <= c["ci"][1] <= c["quantiles"][-1] + 1e-8
     # KD worse than the VM: no ratio over it is quoted (met is None), and the target says so rather than "met".
     bad = metrics.summarize_losses({"vm": l_vm, "fm": l_fm, "x": l_x, "kd": l_vm + 0.1 * gain}, users, labels,
                                    probs, boot=boot, kd="kd", solaris="x")
     assert bad["criterion"]["ci"][0] > 0 and not bad["criterion"]["kd_transfers"] and bad["criterion"]["met"] is None
+    assert bad["dbce_criterion"]["value"] == pytest.approx(0.11 + 1.5 * 0.022)   # defined where no TR is quoted
     summary = {"seed": 0, "fm_gain_relative": 0.5, "tr_quoted": True, "fm_total_per_row": 0.5,
                "tr": {"solaris": 0.5, "vm_kd": -0.1}, "tr_ci": {"solaris": (0.5, 0.5), "vm_kd": (-0.1, -0.1)},
                "criterion": bad["criterion"], "coverage": {"pair_of_ceiling": 0.9, "any_tier": 0.95}}
@@ -504,3 +511,26 @@ def test_the_across_seed_interval_resamples_seeds_and_users_on_a_hand_made_case(
     assert abs(r["ci"][0] - np.quantile(means, 0.025)) < 0.021 and abs(r["ci"][1] - np.quantile(means, 0.975)) < 0.021
     with pytest.raises(ValueError, match="2 seeds of resamples for 1 point"):
         metrics.across_seeds([np.ones(3), np.ones(3)], [1.0])
+    # Through the reports: each seed's summary keeps its resamples' quantiles, and the targets decide the headline
+    # criterion across seeds, never on fewer than MIN_SEEDS.
+    from solaris_jobs.evaluation.targets import MIN_SEEDS, across_seed_summary, seed_summary
+    rng = np.random.default_rng(0)
+
+    def seed_result(seed, keep):
+        users = np.repeat(np.arange(40), 5)
+        l_vm = rng.uniform(0.4, 0.6, 200)
+        gain = rng.uniform(0.0, 0.1, 200)
+        losses = {"vm": l_vm, "fm": l_vm - gain, "solaris": l_vm - keep * gain, "vm_kd": l_vm - 0.1 * gain}
+        t = metrics.summarize_losses(losses, users, np.zeros(200), {}, boot=metrics.PairedBootstrap(users, 200, seed),
+                                     kd="vm_kd", solaris="solaris")
+        return {"seed": seed, "headline": {"test": t, "coverage": {"test": {}}},
+                "fm_per_row": {"per_row": 0.5, "total_per_row": 0.6}}
+
+    summaries = [seed_summary(seed_result(k, 0.6)) for k in range(MIN_SEEDS)]
+    a = across_seed_summary(summaries)
+    assert a["criterion"]["value"] == pytest.approx(np.mean([s["dbce_criterion"]["value"] for s in summaries]))
+    assert a["criterion"]["statistic"] == "dBCE(solaris) - 1.5 x dBCE(vm_kd)" and a["criterion"]["met"] is True
+    assert a["dbce"]["solaris"]["ci"][0] < a["dbce"]["solaris"]["value"] < a["dbce"]["solaris"]["ci"][1]
+    assert across_seed_summary(summaries[:2])["criterion"]["met"] is None           # too few seeds to decide
+    worse = [seed_summary(seed_result(k, 0.1)) for k in range(MIN_SEEDS)]            # SOLARIS keeps what KD keeps
+    assert across_seed_summary(worse)["criterion"]["met"] is False

@@ -122,6 +122,16 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
                               "tr": float(transfer_ratio(point[baseline], point[k], point[reference]))
                               if quoted else None,
                               "tr_ci": interval(trs[k]) if quoted else None}
+    # dBCE(X) = L_VM - L_X: a difference, defined whatever the FM's gap (nothing is divided).
+    for k in losses:
+        out["variants"][k].update(dbce=point[baseline] - point[k], dbce_ci=interval(means[baseline] - means[k]))
+    out["dbce_quantiles"] = {k: _quantiles(means[baseline] - means[k]) for k in losses}
+    if kd and solaris:
+        stat = (means[baseline] - means[solaris]) - factor * (means[baseline] - means[kd])
+        out["dbce_criterion"] = {
+            "statistic": f"dBCE({solaris}) - {factor} x dBCE({kd})",
+            "value": (point[baseline] - point[solaris]) - factor * (point[baseline] - point[kd]),
+            "ci": interval(stat), "quantiles": _quantiles(stat)}
     out["criterion"] = None
     if kd and solaris and quoted:
         diff = trs[solaris] - factor * trs[kd]
@@ -133,6 +143,14 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
                             "ci": (lo, hi), "kd_transfers": kd_transfers,
                             "met": bool(lo > 0) if kd_transfers else None}
     return out
+
+
+def _quantiles(samples: np.ndarray, n: int = 101) -> list[float]:
+    """A seed's resample distribution kept compactly in its report: ``n`` evenly spaced quantiles, which
+    ``across_seeds`` draws from as equally likely resamples (NaNs dropped)."""
+    s = np.asarray(samples, np.float64)
+    s = s[np.isfinite(s)]
+    return [round(float(q), 8) for q in np.quantile(s, np.linspace(0, 1, n))] if len(s) else []
 
 
 def transfers(tr_ci) -> bool:

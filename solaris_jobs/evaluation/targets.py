@@ -7,6 +7,8 @@ from solaris_jobs.evaluation import metrics
 
 TARGETS = {"fm_beats_vm_relative": 0.02, "tr_solaris_min": 0.3, "kd_factor": 1.5, "pair_of_ceiling_min": 0.8,
            "any_tier_min": 0.9, "fm_per_row_max": 1.0}
+# The headline criterion (#40) is decided across seeds, each with its own data draw and models: at least this many.
+MIN_SEEDS = 5
 
 
 def seed_summary(r: dict) -> dict:
@@ -17,7 +19,8 @@ def seed_summary(r: dict) -> dict:
             "fm_gain_relative": t["gap"]["relative"], "gap_ci": t["gap"]["ci"], "tr_quoted": t["tr_quoted"],
             "bce": {k: x["bce"] for k, x in v.items()},
             "tr": {k: x["tr"] for k, x in v.items()}, "tr_ci": {k: x["tr_ci"] for k, x in v.items()},
-            "criterion": t["criterion"], "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
+            "criterion": t["criterion"], "dbce": {k: x.get("dbce") for k, x in v.items()},
+            "dbce_quantiles": t.get("dbce_quantiles"), "dbce_criterion": t.get("dbce_criterion"), "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
                                                       ("shares", "any_tier", "ceiling", "pair_of_ceiling")},
             "fm_per_row": r["fm_per_row"]["per_row"], "fm_total_per_row": r["fm_per_row"].get("total_per_row")}
 
@@ -47,7 +50,27 @@ def check_targets(summaries: list[dict]) -> dict:
                                          and s["fm_total_per_row"] <= T["fm_per_row_max"])})
     keys = [k for k in (per[0] if per else {}) if k != "seed"]
     return {"targets": T, "per_seed": per,
-            "all_met": {k: None if any(p[k] is None for p in per) else all(p[k] for p in per) for k in keys}}
+            "all_met": {k: None if any(p[k] is None for p in per) else all(p[k] for p in per) for k in keys},
+            "across_seeds": across_seed_summary(summaries)}
+
+
+def across_seed_summary(summaries: list[dict]) -> dict | None:
+    """The headline criterion ``dBCE(solaris) - 1.5 x dBCE(vm_kd)`` and every variant's dBCE = BCE(VM) - BCE(X),
+    each averaged over the seeds with an interval that resamples seeds and users (``metrics.across_seeds``).
+    ``criterion.met``: its lower bound above 0, decided only over at least ``MIN_SEEDS`` seeds (None below).
+    None when a seed's summary carries no resamples (a report written before #40)."""
+    if not summaries or any(not s.get("dbce_criterion") or not s.get("dbce_quantiles") for s in summaries):
+        return None
+    crit = metrics.across_seeds([s["dbce_criterion"]["quantiles"] for s in summaries],
+                                [s["dbce_criterion"]["value"] for s in summaries])
+    crit.update(statistic=summaries[0]["dbce_criterion"]["statistic"],
+                met=bool(crit["ci"][0] > 0) if len(summaries) >= MIN_SEEDS else None)
+    names = [k for k in summaries[0]["dbce_quantiles"] if all(k in s["dbce_quantiles"] for s in summaries)]
+    dbce = {}
+    for k in names:
+        r = metrics.across_seeds([s["dbce_quantiles"][k] for s in summaries], [s["dbce"][k] for s in summaries])
+        dbce[k] = {"value": r["value"], "ci": r["ci"]}
+    return {"criterion": crit, "dbce": dbce, "seeds": [s["seed"] for s in summaries]}
 
 
 def _kd_transfers(s: dict) -> bool:
