@@ -2,7 +2,7 @@ import numpy as np
 import pandas as pd
 
 from solaris_jobs.core import events as ev
-from solaris_jobs.core.model_inputs import EventIndex, Examples, side_tables, time_split
+from solaris_jobs.core.model_inputs import RECENCY_INPUTS, EventIndex, Examples, recency, side_tables, time_split
 
 T0 = pd.Timestamp("2026-01-01T00:00:00Z")
 
@@ -64,3 +64,35 @@ def test_side_tables_and_examples_batch():
     ex = Examples.from_events(EventIndex(table), table, history_len=2)
     b = ex.batch(np.array([2]))                                 # the t0+2h event of user 1
     assert b["hist_item"].tolist() == [[10, 11]] and b["label"].tolist() == [1.0]
+
+
+def test_recency_inputs_are_point_in_time_and_equal_a_brute_force_count():
+    """Each row's log-derived inputs come from events strictly before it (a row never sees itself, a same-time row
+    or a later event): checked against a direct count over a random log with many ties and repeated pairs."""
+    rng = np.random.default_rng(0)
+    n = 600
+    minutes = rng.integers(0, 3 * 24 * 60, n) // 7 * 7                  # ties: many rows share a minute
+    log = ev.conform(pd.DataFrame({
+        "user_id": rng.integers(1, 6, n), "item_id": rng.integers(1, 5, n),
+        "event_timestamp": T0 + pd.to_timedelta(minutes, unit="min"), "label": rng.integers(0, 2, n),
+        "rating": [None] * n}))
+    idx = EventIndex(log)
+    d = log.to_pandas()
+    t = _us(d.event_timestamp)
+    # The log's own rows, and queries of pairs never shown and users never seen.
+    qu = np.concatenate([d.user_id.to_numpy(), [1, 9]])
+    qi = np.concatenate([d.item_id.to_numpy(), [99, 1]])
+    qt = np.concatenate([t, _us([T0 + pd.Timedelta(days=1)] * 2)])
+    got = recency(idx, qu, qi, qt)
+    assert list(got) == list(RECENCY_INPUTS)
+    for q in range(len(qu)):
+        before = t < qt[q]
+        pair = before & (d.user_id.to_numpy() == qu[q]) & (d.item_id.to_numpy() == qi[q])
+        want = {"pair_last_min": pair, "item_last_min": before & (d.item_id.to_numpy() == qi[q]),
+                "user_prev_min": before & (d.user_id.to_numpy() == qu[q])}
+        for k, m in want.items():
+            expect = (qt[q] - t[m].max()) / 60e6 if m.any() else np.nan
+            assert np.isclose(got[k][q], expect, equal_nan=True), (k, q)
+        for h in (1, 6, 24):
+            assert got[f"pair_cnt_{h}h"][q] == (pair & (t >= qt[q] - h * 3_600_000_000)).sum(), (h, q)
+    assert np.isnan(got["pair_last_min"][-2]) and got["pair_cnt_24h"][-2] == 0 and np.isnan(got["user_prev_min"][-1])

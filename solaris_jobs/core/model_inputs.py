@@ -121,6 +121,10 @@ class EventIndex:
         ilab = lab[iorder]
         self.icum_known = np.concatenate([[0], np.cumsum(ilab >= 0)])
         self.icum_pos = np.concatenate([[0], np.cumsum(ilab == 1)])
+        self.item_t = t[iorder]
+        # (user, item) pairs by time, for the log-derived recency inputs: one code per pair seen in the log.
+        codes, self.pairs = pd.factorize(pd.MultiIndex.from_arrays([u, i]), sort=True)
+        self.p_key = np.sort(codes.astype(np.int64) * len(self.times) + np.searchsorted(self.times, t))
         self.n = len(u)
 
     def _positions(self, keys_sorted: np.ndarray, ids: np.ndarray, ts: np.ndarray, id_sorted: np.ndarray):
@@ -166,6 +170,40 @@ class EventIndex:
             "item_known": (self.icum_known[ipos] - self.icum_known[istart]).astype(f),
             "item_pos": (self.icum_pos[ipos] - self.icum_pos[istart]).astype(f),
         }
+
+
+RECENCY_WINDOWS_H = (1, 6, 24)
+RECENCY_INPUTS = ("pair_last_min", "item_last_min", "user_prev_min") + tuple(f"pair_cnt_{h}h"
+                                                                             for h in RECENCY_WINDOWS_H)
+
+
+def _minutes_before(ts: np.ndarray, last: np.ndarray, has: np.ndarray) -> np.ndarray:
+    return np.where(has, (ts - last) / 60e6, np.nan).astype(np.float32)
+
+
+def recency(index: "EventIndex", users: np.ndarray, items: np.ndarray, ts: np.ndarray) -> dict:
+    """The log-derived inputs every ranker gets (#40), from the events strictly before each row's time: minutes
+    since this pair was last shown, since this item was last shown to anyone and since the user's previous event
+    (NaN: never), and how often this pair was shown in the last 1 h, 6 h and 24 h. What a production ranker
+    computes from its own impression log; float32 arrays (Q,) named by ``RECENCY_INPUTS``."""
+    users, items, ts = (np.asarray(x, np.int64) for x in (users, items, ts))
+    start, pos = index.user_positions(users, ts)
+    istart, ipos = index._positions(index.i_key, items, ts, index.item_sorted)
+    out = {"user_prev_min": _minutes_before(ts, index.t[np.maximum(pos - 1, 0)], pos > start),
+           "item_last_min": _minutes_before(ts, index.item_t[np.maximum(ipos - 1, 0)], ipos > istart)}
+    T = len(index.times)
+    code = index.pairs.get_indexer(pd.MultiIndex.from_arrays([users, items])).astype(np.int64)
+    seen = code >= 0
+    base = np.where(seen, code, 0) * T
+    p_pos = np.searchsorted(index.p_key, base + np.searchsorted(index.times, ts, side="left"), side="left")
+    p_start = np.searchsorted(index.p_key, base, side="left")
+    has = seen & (p_pos > p_start)
+    last_rank = index.p_key[np.maximum(p_pos - 1, 0)] - base
+    out["pair_last_min"] = _minutes_before(ts, index.times[np.clip(last_rank, 0, T - 1)], has)
+    for h in RECENCY_WINDOWS_H:
+        lo = np.searchsorted(index.p_key, base + np.searchsorted(index.times, ts - h * 3_600_000_000, side="left"))
+        out[f"pair_cnt_{h}h"] = np.where(seen, p_pos - np.maximum(lo, p_start), 0).astype(np.float32)
+    return {k: out[k] for k in RECENCY_INPUTS}
 
 
 def time_split(ts: np.ndarray, fractions=(0.8, 0.1, 0.1)) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]:
