@@ -210,6 +210,7 @@ def ranker(cfg, args, work: Path) -> dict:
 
     from models import save_checkpoint
     from models.vm import VerticalModel, VMConfig
+    from solaris_jobs.core.contract import RECENCY_INPUTS
     from solaris_jobs.online.ranker import Ranker
     from solaris_jobs.online.reader import FeatureReader
     torch.manual_seed(0)
@@ -222,7 +223,8 @@ def ranker(cfg, args, work: Path) -> dict:
 
     def counters(user, items):
         z = np.zeros(len(items), np.float32)
-        return {k: z for k in ("user_cnt", "user_known", "user_pos", "item_cnt", "item_known", "item_pos")}
+        return {k: z for k in ("user_cnt", "user_known", "user_pos", "item_cnt", "item_known", "item_pos",
+                               *RECENCY_INPUTS)}
 
     rng = np.random.default_rng(1)
     now = END + pd.Timedelta(hours=1)

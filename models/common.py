@@ -5,6 +5,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from solaris_jobs.core.contract import RECENCY_INPUTS, RECENCY_MINUTES
+
 
 class SideEmbedding(nn.Module):
     """Embeds an id together with its side features: id embedding + sum of categorical embeddings + mean of
@@ -80,3 +82,20 @@ def counter_features(b: dict) -> torch.Tensor:
     u_rate = (b["user_pos"] + prior) / (b["user_known"] + 1.0)
     i_rate = (b["item_pos"] + prior) / (b["item_known"] + 1.0)
     return torch.stack([torch.log1p(b["user_cnt"]) / 5.0, u_rate, torch.log1p(b["item_cnt"]) / 5.0, i_rate], -1)
+
+
+N_RECENCY_FEATURES = len(RECENCY_INPUTS) + len(RECENCY_MINUTES)
+
+
+def recency_features(b: dict) -> torch.Tensor:
+    """(B, 9): the log-derived recency inputs (``RECENCY_INPUTS``): each "minutes since" as ``log1p(minutes) / 10``
+    with a never-seen flag (NaN in, 0 and flag 1 out), each windowed count of the pair's shows as ``log1p / 3``."""
+    cols = []
+    for k in RECENCY_INPUTS:
+        v = b[k].float()
+        if k in RECENCY_MINUTES:
+            never = torch.isnan(v)
+            cols += [torch.log1p(torch.nan_to_num(v, nan=0.0).clamp(min=0.0)) / 10.0, never.float()]
+        else:
+            cols.append(torch.log1p(v.clamp(min=0.0)) / 3.0)
+    return torch.stack(cols, -1)

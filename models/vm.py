@@ -1,7 +1,10 @@
 """The vertical model (VM): the small, fast ranker that SOLARIS feeds.
 
 Id and side-feature embeddings of user and item, the user's and item's counters before the event (log counts,
-smoothed positive rates), an MLP to one logit. Optionally an FM slot: a D-dim embedding from the feature store
+smoothed positive rates), with ``recency`` the log-derived recency inputs every ranker computes from its own
+impression log (minutes since the pair / the item was last shown and since the user's previous event, the pair's
+shows in the last 1 / 6 / 24 h: ``solaris_jobs.core.model_inputs.recency``), an MLP to one logit. Optionally an FM
+slot: a D-dim embedding from the feature store
 plus a one-hot tier indicator (pair, user aggregate, neighbour, none) and, with ``fm_age``, the age of the served
 embedding (``log1p(hours) / 4``; 0 for tier none); rows with no embedding get zeros and tier none. Knowledge
 distillation (the baseline SOLARIS is compared against) trains the same model on a mix of the label and the FM's
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common import SideEmbedding, counter_features
+from models.common import N_RECENCY_FEATURES, SideEmbedding, counter_features, recency_features
 from solaris_jobs.core.contract import TIER_NONE, TIERS  # noqa: F401 (re-exported)
 
 
@@ -26,6 +29,7 @@ class VMConfig:
     d_emb: int = 16
     hidden: tuple = (128, 64)
     dropout: float = 0.1
+    recency: bool = True             # the log-derived recency inputs (#40: every ranker, baseline included)
     fm_dim: int = 0                  # 0: no FM slot; else the width of the FM embedding input
     fm_age: bool = False             # with the FM slot: the served embedding's age as an input too
     kd_weight: float = 0.0           # > 0: knowledge distillation, weight of the FM soft label in the loss
@@ -38,7 +42,8 @@ class VerticalModel(nn.Module):
         self.cfg = cfg
         self.users = SideEmbedding(cfg.user_side, cfg.d_emb)
         self.items = SideEmbedding(cfg.item_side, cfg.d_emb)
-        width = 3 * cfg.d_emb + 4 + (cfg.fm_dim + len(TIERS) + int(cfg.fm_age) if cfg.fm_dim else 0)
+        width = 3 * cfg.d_emb + 4 + N_RECENCY_FEATURES * int(cfg.recency)
+        width += cfg.fm_dim + len(TIERS) + int(cfg.fm_age) if cfg.fm_dim else 0
         layers = []
         for h in cfg.hidden:
             layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
@@ -54,6 +59,8 @@ class VerticalModel(nn.Module):
         """
         u, i = self.users(b["user"]), self.items(b["item"])                 # (B, d_emb) each
         parts = [u, i, u * i, counter_features(b)]
+        if self.cfg.recency:
+            parts.append(recency_features(b))
         if self.cfg.fm_dim:
             B = u.shape[0]
             emb = b.get("fm_emb")

@@ -43,7 +43,7 @@ def train_tiny_models(root, out, history_len=10, max_train_rows=20_000):
     cfg = training.TrainConfig(epochs=1, history_len=history_len, max_train_rows=max_train_rows)
     training.train_fm(data, out / "fm.pt", cfg, d_model=16, n_layers=1, d_interaction=32)
     training.train_ae(data, out / "fm.pt", out / "ae.pt", cfg, d_code=8)
-    training.train_vm(data, out / "vm.pt", cfg)
+    training.train_verifier(data, out / "vm.pt", cfg)
     return out
 
 

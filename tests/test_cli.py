@@ -1,6 +1,8 @@
+import dataclasses
 import json
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from solaris_jobs.flows.cli import main
@@ -39,11 +41,19 @@ def test_synth_candidates_and_train_through_the_cli(tmp_path):
     lines = res.output.strip().splitlines()
     assert lines[0] == "user_id,item_id,source,retrieval_score" and 2 < len(lines) <= 41
     res = runner.invoke(main, ["train", "vm", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "vm.pt"),
-                               "--epochs", "1", "--history-len", "5"])
+                               "--epochs", "1", "--history-len", "5", "--verifier"])
     assert res.exit_code == 0, res.output
     metrics = json.loads(res.output)
     assert metrics["mode"] == "plain" and metrics["model_version"].startswith("vm-")
     assert (tmp_path / "vm.pt").exists()
+    # The verifier takes the counters only; a ranker VM (with the recency inputs) is refused by the select step.
+    from solaris_jobs.core.settings import Settings
+    from solaris_jobs.pipeline import model_refs, verifier
+    ref = model_refs.resolve(tmp_path, ("vm",)).vm
+    assert ref.config["recency"] is False
+    with pytest.raises(ValueError, match="takes the rankers' recency inputs"):
+        verifier.score_pairs(None, dataclasses.replace(ref, config={**ref.config, "recency": True}),
+                             Settings().precompute)
 
 
 def test_bad_input_is_a_clear_cli_error(tmp_path):

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from solaris_jobs.core.contract import RECENCY_INPUTS, RECENCY_MINUTES
 from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, TIERS, VMConfig, VerticalModel,
                     batch_to_tensors, load_checkpoint, save_checkpoint)
 
@@ -22,6 +23,9 @@ def _batch(B=5, L=4, seed=0):
         "label": rng.integers(0, 2, B).astype(np.float32), "rating": rng.integers(0, 6, B).astype(np.float32),
         **{k: rng.integers(0, 5, B).astype(np.float32) for k in
            ["user_cnt", "user_known", "user_pos", "item_cnt", "item_known", "item_pos"]},
+        # the recency inputs; NaN minutes = never shown (the first row's pair, item and user)
+        **{k: np.where(np.arange(B) == 0, np.nan, rng.uniform(0, 3000, B)) if k in RECENCY_MINUTES
+           else rng.integers(0, 4, B).astype(np.float32) for k in RECENCY_INPUTS},
     })
 
 
@@ -45,7 +49,7 @@ def test_forward_shapes_and_no_nan_for_empty_history():
     code, rec = ae(out["h"])
     assert code.shape == (5, 8) and rec.shape == (5, 24)
     vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, fm_dim=8))
-    assert vm(b)["logit"].shape == (5,)            # no fm_emb given: zeros, tier none
+    assert vm(b)["logit"].shape == (5,) and torch.isfinite(vm(b)["logit"]).all()  # no fm_emb: zeros, tier none
     with_emb = vm({**b, "fm_emb": code.detach(), "tier": torch.zeros(5, dtype=torch.long)})["logit"]
     assert with_emb.shape == (5,) and len(TIERS) == 4
 

@@ -10,6 +10,13 @@ TIER_NONE = TIERS.index("none")
 N_GAP_BUCKETS = 33          # 0 = padding, 1..32 = 1 + floor(log2(1 + seconds))
 N_SIGNALS = 8               # 0 = padding, 1..5 = rating, 6 = negative, 7 = positive (no rating)
 
+# The log-derived inputs every ranker gets (#40), computed point in time from the impression log: minutes since
+# this pair / this item was last shown and since the user's previous event (NaN: never), and how often this pair
+# was shown in the last 1 h, 6 h and 24 h.
+RECENCY_WINDOWS_H = (1, 6, 24)
+RECENCY_MINUTES = ("pair_last_min", "item_last_min", "user_prev_min")
+RECENCY_INPUTS = RECENCY_MINUTES + tuple(f"pair_cnt_{h}h" for h in RECENCY_WINDOWS_H)
+
 
 def embedding_version(fm_version: str, ae_version: str) -> str:
     """The version the store's rows carry and a transfer VM expects: ``<fm>+<ae>`` (an FM code is only meaningful

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from solaris_jobs.core.contract import N_GAP_BUCKETS
+from solaris_jobs.core.contract import N_GAP_BUCKETS, RECENCY_INPUTS, RECENCY_WINDOWS_H
 
 logger = logging.getLogger(__name__)
 
@@ -172,11 +172,6 @@ class EventIndex:
         }
 
 
-RECENCY_WINDOWS_H = (1, 6, 24)
-RECENCY_INPUTS = ("pair_last_min", "item_last_min", "user_prev_min") + tuple(f"pair_cnt_{h}h"
-                                                                             for h in RECENCY_WINDOWS_H)
-
-
 def _minutes_before(ts: np.ndarray, last: np.ndarray, has: np.ndarray) -> np.ndarray:
     return np.where(has, (ts - last) / 60e6, np.nan).astype(np.float32)
 
@@ -274,6 +269,7 @@ class Examples(Batched):
     rating: np.ndarray
     history_len: int = 50
     extras: dict = field(default_factory=dict)        # per-row arrays added to every batch (e.g. fm_prob)
+    recency: bool = False                             # add the log-derived recency inputs (the VM's)
 
     @classmethod
     def from_events(cls, index: EventIndex, events: pa.Table, history_len: int = 50) -> "Examples":
@@ -290,7 +286,8 @@ class Examples(Batched):
 
     def subset(self, mask: np.ndarray) -> "Examples":
         return Examples(self.index, self.users[mask], self.items[mask], self.ts[mask], self.label[mask],
-                        self.rating[mask], self.history_len, {k: v[mask] for k, v in self.extras.items()})
+                        self.rating[mask], self.history_len, {k: v[mask] for k, v in self.extras.items()},
+                        self.recency)
 
     def batch(self, idx: np.ndarray) -> dict:
         """Model inputs for rows ``idx`` as numpy arrays (see ``models.batch_to_tensors``)."""
@@ -298,6 +295,8 @@ class Examples(Batched):
         out = {"user": u, "item": i, "label": self.label[idx], "rating": self.rating[idx]}
         out.update(self.index.history(u, t, self.history_len))
         out.update(self.index.counters(u, i, t))
+        if self.recency:
+            out.update(recency(self.index, u, i, t))
         out.update({k: v[idx] for k, v in self.extras.items()})
         return out
 

@@ -156,7 +156,7 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     fm = training.train_fm(data, out / "fm.pt", tc, d_model=cfg.d_model, n_layers=cfg.n_layers,
                            d_interaction=cfg.d_interaction)
     ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", tc, d_code=cfg.d_code)
-    vm = training.train_vm(data, out / "vm.pt", training.TrainConfig(
+    vm = training.train_verifier(data, out / "vm.pt", training.TrainConfig(
         epochs=cfg.vm_epochs, batch_size=cfg.batch_size, seed=seed, patience=2, history_len=cfg.history_len,
         max_train_rows=cfg.max_train_rows))
     keep = lambda m: {k: v for k, v in m.items() if k != "history"}

@@ -1,7 +1,9 @@
 """The ranker's VM variants, trained on what the store served.
 
 Every variant trains on the same rows, ``[t0, valid_from)``, picks its epoch and grid point on
-``[valid_from, t2)`` and is tested on ``[t2, t3)``. Rows before t1 carry what was served then: tier none, zeros,
+``[valid_from, t2)`` and is tested on ``[t2, t3)``. Every variant, the baseline and KD included, takes the same
+log-derived inputs: the lifetime counters and the recency inputs a production ranker computes from its own log
+(``model_inputs.recency``); the SOLARIS variants add their FM slot, tier and age inputs on top. Rows before t1 carry what was served then: tier none, zeros,
 no soft label. The FM inputs of rows in ``[t1, t3)`` are the replay's (``solaris_jobs.learning.replay``): what
 ``FeatureReader`` returned at the row's time. Variants:
 
@@ -36,6 +38,7 @@ import pandas as pd
 import pyarrow as pa
 
 from solaris_jobs.core.contract import TIER_NONE, TIERS
+from solaris_jobs.core.model_inputs import recency
 from solaris_jobs.evaluation.protocol import VARIANT_CODE, code_version
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class Table:
     ts: np.ndarray
     labels: np.ndarray
     counters: dict
+    recency: dict                # the log-derived recency inputs (``model_inputs.recency``) of every row
     split: np.ndarray            # 0 train, 1 valid, 2 test
     served_emb: np.ndarray       # (n, D) what the store served (zeros: tier none)
     served_tier: np.ndarray
@@ -87,11 +91,12 @@ class Table:
     user_side: dict
     item_side: dict
     tables: dict
+    with_recency: bool = True    # False: the comparison before #40 (lifetime counters only), reported once beside
 
     def inputs(self, variant: str) -> tuple[dict, int]:
         """The arrays a variant's VM takes, and its FM slot width."""
         source, keep, zeroed, kd, _ = VARIANTS[variant]
-        a = {"user": self.users, "item": self.items, **self.counters}
+        a = {"user": self.users, "item": self.items, **self.counters, **(self.recency if self.with_recency else {})}
         if kd:
             a["fm_logit"] = np.where(self.split < 2, self.fm_logit, np.nan).astype(np.float32)
         if source is None:
@@ -129,6 +134,7 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict | None) -> Tabl
     keep = ts >= t0_us
     users, items, ts, labels, split = users[keep], items[keep], ts[keep], labels[keep], split[keep]
     counters = data.index.counters(users, items, ts)
+    recent = recency(data.index, users, items, ts)
     n = len(users)
     key = pd.DataFrame({"user_id": users, "item_id": items, "ts": ts, "row": np.arange(n)})
     served_emb, served_tier, served_age = _served_arrays(key, served)
@@ -142,8 +148,8 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict | None) -> Tabl
         oracle = np.zeros((n, fm_cache["code"].shape[1]), np.float32)
         oracle[mf.row] = fm_cache["code"][mf.frow]
         fm_logit[mf.row] = fm_cache["logit"][mf.frow]
-    return Table(users, items, ts, labels, counters, split, served_emb, served_tier, served_age, oracle, fm_logit,
-                 data.user_side, data.item_side, data.tables)
+    return Table(users, items, ts, labels, counters, recent, split, served_emb, served_tier, served_age, oracle,
+                 fm_logit, data.user_side, data.item_side, data.tables)
 
 
 def _served_arrays(key: pd.DataFrame, served: pa.Table):
@@ -217,8 +223,8 @@ def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, bat
     kd = {k: params[k] for k in ("kd_weight", "kd_temperature") if k in params}
     torch.manual_seed(seed)
     np.random.seed(seed)
-    model = VerticalModel(VMConfig(user_side=tab.user_side, item_side=tab.item_side, fm_dim=fm_dim,
-                                   fm_age=bool(fm_dim), dropout=params["dropout"], **kd))
+    model = VerticalModel(VMConfig(user_side=tab.user_side, item_side=tab.item_side, recency=tab.with_recency,
+                                   fm_dim=fm_dim, fm_age=bool(fm_dim), dropout=params["dropout"], **kd))
     model.users.set_tables(*tab.tables["user"])
     model.items.set_tables(*tab.tables["item"])
     cfg = training.TrainConfig(epochs=epochs, batch_size=batch_size, lr=params["lr"],
@@ -233,7 +239,8 @@ def fingerprint(tab: Table) -> str:
     import hashlib
     h = hashlib.sha256()
     for a in (tab.users, tab.items, tab.ts, tab.labels, tab.split, tab.served_tier, tab.served_emb, tab.served_age_h,
-              tab.oracle_emb, tab.fm_logit, *(tab.counters[k] for k in sorted(tab.counters))):
+              tab.oracle_emb, tab.fm_logit, *(tab.counters[k] for k in sorted(tab.counters)),
+              *(tab.recency[k] for k in sorted(tab.recency)), np.array([tab.with_recency])):
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:16]
 

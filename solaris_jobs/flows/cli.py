@@ -179,12 +179,16 @@ def train_ae(out, fm_path, **kw):
 @click.option("--ae", "ae_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--coverage", default=1.0, help="transfer: share of rows that get an embedding (others zeros).")
 @click.option("--kd-weight", default=0.5, help="kd: weight of the FM soft label in the loss.")
-def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, **kw):
-    """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding."""
+@click.option("--verifier", is_flag=True, help="the refresh's verifier (plain, without the rankers' recency inputs, "
+              "which the select step does not compute).")
+def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, verifier, **kw):
+    """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding; or the verifier."""
     from solaris_jobs.learning import training
+    if verifier and mode != "plain":
+        raise click.UsageError("--verifier trains the plain VM; it takes no --mode")
     _, cfg, data = _train_run(kw)
     _echo_json(_summary(training.train_vm(data, out, cfg, mode=mode, fm_path=fm_path, ae_path=ae_path,
-                                          coverage=coverage, kd_weight=kd_weight)))
+                                          coverage=coverage, kd_weight=kd_weight, recency=not verifier)))
 
 
 @main.command("demo")

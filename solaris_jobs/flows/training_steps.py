@@ -76,7 +76,7 @@ def train(kind: str, version_dir: str) -> dict:
     elif kind == "ae":
         m = training.train_ae(data, d / "fm.pt", d / "ae.pt", cfg, d_code=o.d_code)
     else:
-        m = training.train_vm(data, d / "vm.pt", cfg)
+        m = training.train_verifier(data, d / "vm.pt", cfg)
     return json.loads(json.dumps({k: v for k, v in m.items() if k != "history"}, default=str))
 
 

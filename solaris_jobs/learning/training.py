@@ -374,6 +374,8 @@ def train_vm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), m
     _seed(cfg.seed)
     model = VerticalModel(VMConfig(user_side=data.user_side, item_side=data.item_side, fm_dim=fm_dim,
                                    kd_weight=kd_weight if mode == "kd" else 0.0, **model_args))
+    for s in (data.train, data.valid, data.test):
+        s.recency = model.cfg.recency
     model.users.set_tables(*data.tables["user"])
     model.items.set_tables(*data.tables["item"])
     model.to(device)
@@ -384,6 +386,12 @@ def train_vm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), m
     metrics["model_version"] = save_checkpoint(model.cpu(), out, extra={"metrics": metrics, **versions,
                                                                           "train": _cfg_dict(cfg)})
     return metrics
+
+
+def train_verifier(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig()) -> dict:
+    """The refresh's verifier: the plain VM on the lifetime counters only, without the recency inputs (the select
+    step scores candidate pairs from the interval state's counters at T; the rankers take the recency inputs)."""
+    return train_vm(data, out, cfg, recency=False)
 
 
 def transfer_ratio(l_vm: float, l_variant: float, l_fm: float) -> float:

@@ -1,8 +1,10 @@
 """A ranker integration, end to end: the VM scores one request's candidates with the SOLARIS features read through
 the tiered serving client. What a production ranker does with its own feature pipeline, in a few lines.
 
-The VM's counters (user's and item's events and positives before the request) come from the event log here
-(``Counters``); a production ranker reads them from its own features.
+The VM's log-derived inputs (user's and item's events and positives, and the recency inputs: when this pair and
+this item were last shown, the pair's recent shows, the user's previous event, all before the request) come from
+the event log here (``Counters``), by the code that built them for training; a production ranker reads them from
+its own features.
 """
 from __future__ import annotations
 
@@ -17,19 +19,20 @@ from solaris_jobs.online.reader import FeatureReader
 
 
 class Counters:
-    """The VM's counter inputs from the event log strictly before ``at`` (the same code as training)."""
+    """The VM's counter and recency inputs from the event log strictly before ``at`` (the same code as training)."""
 
     def __init__(self, root, at):
         from solaris_jobs.core.events import read_events
-        from solaris_jobs.core.model_inputs import EventIndex
+        from solaris_jobs.core.model_inputs import EventIndex, recency
+        self._recency = recency
         self.at_us = pd.Timestamp(at).value // 1000 if pd.Timestamp(at).tzinfo else \
             pd.Timestamp(at, tz="UTC").value // 1000
         self.index = EventIndex(read_events(root, end=at))
 
     def __call__(self, user: int, items: np.ndarray) -> dict:
         n = len(items)
-        return self.index.counters(np.full(n, user, np.int64), np.asarray(items, np.int64),
-                                   np.full(n, self.at_us, np.int64))
+        users, items, ts = np.full(n, user, np.int64), np.asarray(items, np.int64), np.full(n, self.at_us, np.int64)
+        return {**self.index.counters(users, items, ts), **self._recency(self.index, users, items, ts)}
 
 
 @dataclass

@@ -17,6 +17,10 @@ def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
     from pyspark.sql import functions as F
     from pyspark.sql.types import FloatType
 
+    if vm.config.get("recency"):
+        raise ValueError(f"verifier {vm.path}: this VM takes the rankers' recency inputs, which the select step does "
+                         "not compute (it has each pair's counters at T); train the verifier with "
+                         "`training.train_verifier` (`solaris train` does)")
     batch_size, device, threads = cfg.batch_size, cfg.device, cfg.torch_threads
     names = ("user", "item", *COUNTER_COLS)
 
