@@ -32,7 +32,7 @@ class VMConfig:
     recency: bool = True             # the log-derived recency inputs (#40: every ranker, baseline included)
     fm_dim: int = 0                  # 0: no FM slot; else the width of the FM embedding input
     fm_age: bool = False             # with the FM slot: the served embedding's age as an input too
-    kd_weight: float = 0.0           # > 0: knowledge distillation, weight of the FM soft label in the loss
+    kd_weight: float = 0.0           # > 0: knowledge distillation, the FM soft label's weight per soft-labelled row
     kd_temperature: float = 1.0      # soft labels sigmoid(fm_logit / T) against sigmoid(logit / T), scaled by T^2
 
 
@@ -76,19 +76,19 @@ class VerticalModel(nn.Module):
         return {"logit": self.mlp(torch.cat(parts, -1)).squeeze(-1)}
 
     def loss(self, out: dict, b: dict) -> torch.Tensor:
-        """BCE on the label; with ``kd_weight`` > 0, mixed with BCE on the FM's soft label: ``fm_logit`` at
-        temperature ``kd_temperature`` (or ``fm_prob``, T = 1) on the rows that have one (finite; rows without a
-        soft label, NaN, take the label loss only)."""
+        """BCE on the label; with ``kd_weight`` a > 0, knowledge distillation per soft-labelled row: a row with the
+        FM's soft label (``fm_logit`` at temperature ``kd_temperature``, or ``fm_prob`` at T = 1; finite) counts
+        ``(1 - a) x BCE(label) + a x T^2 x BCE(soft label)``, a row without one (NaN) its label's BCE; the mean over
+        the rows. So a is the soft label's share of each row that has one, whatever share of the batch those are
+        (mixing the two means per batch would weight a soft-labelled row by a over that share)."""
         known = b["label"] >= 0
-        loss = F.binary_cross_entropy_with_logits(out["logit"][known], b["label"][known])
-        if self.cfg.kd_weight > 0:
-            T = self.cfg.kd_temperature
-            if "fm_logit" in b:
-                soft = torch.sigmoid(b["fm_logit"] / T)
-            else:
-                soft = b["fm_prob"]
-            has = torch.isfinite(soft)
-            if has.any():
-                kd = F.binary_cross_entropy_with_logits(out["logit"][has] / T, soft[has]) * T * T
-                loss = (1 - self.cfg.kd_weight) * loss + self.cfg.kd_weight * kd
-        return loss
+        if self.cfg.kd_weight <= 0:
+            return F.binary_cross_entropy_with_logits(out["logit"][known], b["label"][known])
+        a, T = self.cfg.kd_weight, self.cfg.kd_temperature
+        soft = torch.sigmoid(b["fm_logit"] / T) if "fm_logit" in b else b["fm_prob"]
+        has = torch.isfinite(soft)
+        lab = F.binary_cross_entropy_with_logits(out["logit"], b["label"].clamp(0, 1), reduction="none")
+        kd = F.binary_cross_entropy_with_logits(out["logit"] / T, torch.where(has, soft, 0.0), reduction="none")
+        per_row = (torch.where(known, lab, 0.0) * torch.where(has, 1 - a, 1.0)
+                   + torch.where(has, a * T * T * kd, 0.0))
+        return per_row[known | has].mean()

@@ -147,3 +147,29 @@ def test_fm_with_shared_histories_equals_the_repeated_batch():
         for k in ("logit", "rating", "h"):
             torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(fm(b)["h"], ref["h"])          # the rows do read other histories than b's own
+
+
+def test_kd_weight_applies_per_soft_labelled_row_on_a_hand_made_case():
+    """KD's weight a is the soft label's share of each row that has one (``(1 - a) BCE(label) + a T^2 BCE(soft)``),
+    rows without one count their label's BCE, a row with a pending label its soft label only: the mean over rows,
+    whatever share of the batch has soft labels (#40)."""
+    vm = VerticalModel(VMConfig(recency=False, kd_weight=0.5, kd_temperature=2.0))
+    nan = float("nan")
+    b = {"label": torch.tensor([1.0, 0.0, 1.0, -1.0, 0.0, 1.0]),
+         "fm_logit": torch.tensor([2.0, nan, -1.0, 0.5, nan, nan])}
+    x = torch.tensor([0.3, -0.2, 1.0, 0.1, -1.0, 2.0])
+
+    def bce(logit, y):
+        p = 1 / (1 + np.exp(-logit))
+        return -(y * np.log(p) + (1 - y) * np.log(1 - p))
+    soft = lambda z: 1 / (1 + np.exp(-z / 2.0))
+    rows = [0.5 * bce(0.3, 1) + 0.5 * 4 * bce(0.15, soft(2.0)), bce(-0.2, 0), 0.5 * bce(1.0, 1) + 2 * bce(0.5, soft(-1.0)),
+            2 * bce(0.05, soft(0.5)), bce(-1.0, 0), bce(2.0, 1)]
+    assert np.isclose(float(vm.loss({"logit": x}, b)), np.mean(rows), rtol=1e-5)
+    # Without soft labels on any row, the label's BCE alone (as with kd_weight 0).
+    plain = VerticalModel(VMConfig(recency=False))
+    no_soft = {**b, "fm_logit": torch.full((6,), nan)}
+    known = b["label"] >= 0
+    assert np.isclose(float(vm.loss({"logit": x}, no_soft)), float(plain.loss({"logit": x}, b)), rtol=1e-6)
+    assert np.isclose(float(plain.loss({"logit": x}, b)), np.mean([bce(v, y) for v, y, k in
+                                                                   zip(x.numpy(), b["label"].numpy(), known) if k]))

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 T_PAIR, T_AGG, T_NB = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour"))
 BASE_GRID = [{"lr": lr, "weight_decay": wd, "dropout": do}
              for lr, (wd, do) in itertools.product((3e-3, 1e-2), ((0.0, 0.1), (0.0, 0.3), (1e-4, 0.3)))]
+# KD's weight is per soft-labelled row (``VerticalModel.loss``): the soft label's share of each row that has one.
 KD_GRID = [{"kd_weight": a, "kd_temperature": t} for a, t in itertools.product((0.2, 0.5, 0.8), (1.0, 4.0))]
 GRID_SIZE = len(BASE_GRID)
 assert len(KD_GRID) == GRID_SIZE
