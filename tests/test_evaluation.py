@@ -320,11 +320,58 @@ def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, sp
     assert 0.3 < per_row < 0.8
 
 
-def test_same_seed_same_report(tiny_eval, tmp_path):
+def _flip_labels_from(root: Path, t: pd.Timestamp) -> int:
+    """Flips the label of every event at or after ``t`` in the event files under ``root``; the number flipped."""
+    import pyarrow.parquet as pq
+    flipped = 0
+    for f in sorted((root / "events").rglob("*.parquet")):
+        table = pq.read_table(f)
+        df = table.to_pandas()
+        late = df.event_timestamp >= t
+        if late.any():
+            df.loc[late, "label"] = 1 - df.loc[late, "label"]
+            flipped += int(late.sum())
+            pq.write_table(pa.Table.from_pandas(df, schema=table.schema, preserve_index=False), f)
+    return flipped
+
+
+def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_path):
+    """The same seed run again on the same log with the labels of the test period ``[t2, t3)`` flipped: every model,
+    grid choice and validation loss is bit-identical (no test label reaches a model or a choice), the replay serves
+    the same rows before t2, and only the test figures move. The report of the first run carries what anyone needs
+    to check it (#40), and its pages render."""
+    import re
+    import shutil
+
+    from solaris_jobs.core.contract import RECENCY_INPUTS
+    from solaris_jobs.learning import replay
     out, report = tiny_eval
-    evaluate(TINY, tmp_path / "b")
-    load = lambda d: json.loads((d / "report.json").read_text())
-    assert _strip(load(tmp_path / "b")) == _strip(load(out))
+    name = f"data-seq{TINY.synth.sequence_share:g}"
+    shutil.copytree(out / name, tmp_path / "b" / name)
+    t2 = pd.Timestamp(report["protocol"]["t2"])
+    assert _flip_labels_from(tmp_path / "b" / name, t2) > 1000
+    b = evaluate(TINY, tmp_path / "b")
+    s_a, s_b = report["per_seed"][0], b["per_seed"][0]
+    for m in ("fm", "ae", "vm"):
+        assert {k: s_b["models"][m].get(k) for k in ("model_version", "valid_bce", "best_epoch")} == \
+            {k: s_a["models"][m].get(k) for k in ("model_version", "valid_bce", "best_epoch")}, m
+    assert {v: {k: x[k] for k in ("params", "valid_bce", "best_epoch", "grid")} for v, x in s_b["variants"].items()} \
+        == {v: {k: x[k] for k in ("params", "valid_bce", "best_epoch", "grid")} for v, x in s_a["variants"].items()}
+    served = [replay.read_served(d / "seed0" / "replay-b1").to_pandas() for d in (out, tmp_path / "b")]
+    before = [x[x.event_timestamp < t2].sort_values(["event_timestamp", "user_id", "item_id"]).reset_index(drop=True)
+              for x in served]
+    assert len(before[0]) > 1000
+    pd.testing.assert_frame_equal(before[0], before[1])
+    test_a, test_b = (x["headline"]["test"]["variants"] for x in (s_a, s_b))
+    assert all(test_a[v]["bce"] != test_b[v]["bce"] for v in test_a)
+    # What the report carries so that anyone can check it: the seed's own data draw and the commit it ran, the
+    # inputs every ranker took, the label delay, and the criterion across seeds (not decided below 5 seeds).
+    assert s_a["data_seed"] == TINY.synth.seed and s_a["data"]["config"]["seed"] == TINY.synth.seed
+    assert re.fullmatch(r"[0-9a-f]{40}", s_a["commit"]["sha"])
+    assert report["config"]["ranker_inputs"]["recency"] == list(RECENCY_INPUTS)
+    assert report["config"]["label_delay_minutes"] == 30 and report["config"]["data_per_seed"] is True
+    crit = report["targets"]["across_seeds"]["criterion"]
+    assert crit["met"] is None and crit["ci"][0] <= crit["value"] <= crit["ci"][1] and crit["method"]
     md = (out / "report.md").read_text()
     assert "## Targets" in md and "VM + SOLARIS, all tiers" in md
     for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png",
@@ -383,7 +430,9 @@ def test_cached_outputs_are_reused_only_for_the_same_code_and_data(tiny_eval, tm
     assert list(out.rglob(f"fm_outputs-*-{pr.code_version(pr.VARIANT_CODE)}.npz"))
     models = tmp_path / "models"
     shutil.copytree(stamp.parent, models)
-    args = (Path(key["root"]), pr.Protocol.from_dict(key["protocol"]), key["seed"], models, TINY.models)
+    args = (Path(key["root"]), pr.Protocol.from_dict(key["protocol"]), key["seed"], models, TINY.models,
+            key["label_delay_minutes"])
+    assert key["label_delay_minutes"] == TINY.label_delay_minutes == 30
     written = lambda: (models / "fm.pt").stat().st_mtime_ns
     before = written()
     assert pr.train_models(*args) == json.loads(stamp.read_text())["metrics"]

@@ -2,6 +2,7 @@ import numpy as np
 import pandas as pd
 
 from solaris_jobs.core import events as ev
+from solaris_jobs.core.contract import SIGNAL_UNKNOWN
 from solaris_jobs.core.model_inputs import RECENCY_INPUTS, EventIndex, Examples, recency, side_tables, time_split
 
 T0 = pd.Timestamp("2026-01-01T00:00:00Z")
@@ -43,7 +44,7 @@ def test_history_is_strictly_before_query_time_with_ties():
 def test_unlabelled_history_signal_and_counters():
     idx = EventIndex(_log())
     h = idx.history(np.array([3]), _us([T0 + pd.Timedelta(days=1)]), length=2)
-    assert h["hist_signal"].tolist() == [[0, 6]]                # no rating, no label -> "negative" token 6
+    assert h["hist_signal"].tolist() == [[0, SIGNAL_UNKNOWN]]   # no rating, no label -> "unknown" token 8
     c = idx.counters(np.array([3]), np.array([13]), _us([T0 + pd.Timedelta(days=1)]))
     assert (c["user_cnt"][0], c["user_known"][0]) == (1, 0)
 
@@ -96,3 +97,23 @@ def test_recency_inputs_are_point_in_time_and_equal_a_brute_force_count():
         for h in (1, 6, 24):
             assert got[f"pair_cnt_{h}h"][q] == (pair & (t >= qt[q] - h * 3_600_000_000)).sum(), (h, q)
     assert np.isnan(got["pair_last_min"][-2]) and got["pair_cnt_24h"][-2] == 0 and np.isnan(got["user_prev_min"][-1])
+    # A label arrives 30 min after its event: a row's history and counters see the labels of events more than
+    # 30 min before it only (the impressions at once); the same brute force.
+    delay = 30 * 60_000_000
+    late = EventIndex(log, label_delay_us=delay)
+    c, c0 = late.counters(qu, qi, qt), idx.counters(qu, qi, qt)
+    h, h0 = late.history(qu, qt, 8), idx.history(qu, qt, 8)
+    lab = d.label.to_numpy()
+    for q in range(len(qu)):
+        arrived = t < qt[q] - delay
+        for side, ids, key in (("user", d.user_id.to_numpy(), qu[q]), ("item", d.item_id.to_numpy(), qi[q])):
+            assert c[f"{side}_known"][q] == (arrived & (ids == key)).sum(), (side, q)
+            assert c[f"{side}_pos"][q] == (arrived & (ids == key) & (lab == 1)).sum(), (side, q)
+            assert c[f"{side}_cnt"][q] == c0[f"{side}_cnt"][q]
+    assert (h["hist_item"] == h0["hist_item"]).all() and (h["hist_gap"] == h0["hist_gap"]).all()
+    # A history entry's signal is unknown exactly when its event is less than 30 min before the row.
+    start, pos = idx.user_positions(qu, qt)
+    for q in range(len(qu)):
+        rows = np.arange(max(pos[q] - 8, start[q]), pos[q])
+        want = np.where(idx.t[rows] >= qt[q] - delay, SIGNAL_UNKNOWN, idx.signal[rows])
+        assert h["hist_signal"][q, 8 - len(rows):].tolist() == want.tolist(), q

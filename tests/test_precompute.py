@@ -174,10 +174,12 @@ def test_fm_embeddings_equal_the_model_run_directly(spark, ml_run, movielens_roo
     ae, ae_meta = load_checkpoint(ml_models / "ae.pt", kind="ae")
     assert set(got["model_version"]) == {f"{fm_meta['model_version']}+{ae_meta['model_version']}"}
     assert (got["event_timestamp"].map(_utc) == ML_END).all()
-    # Reference: the training code path over the lookback's events (it only looks before T).
+    # Reference: the training code path over the lookback's events (it only looks before T, and sees the labels
+    # that had arrived by T, as the refresh's state does).
     table = ev.read_events(movielens_root, ML_LOOKBACK_START)
     n = len(got)
-    ex = Examples(EventIndex(table), got["user_id"].to_numpy(), got["item_id"].to_numpy(),
+    delay_us = int(job.precompute.label_delay_minutes * 60e6)
+    ex = Examples(EventIndex(table, label_delay_us=delay_us), got["user_id"].to_numpy(), got["item_id"].to_numpy(),
                   np.full(n, ML_END.value // 1000), np.full(n, -1.0, np.float32), np.zeros(n, np.float32), 10)
     from models import batch_to_tensors
     with torch.inference_mode():
@@ -575,6 +577,20 @@ def test_the_state_is_updated_from_the_previous_interval_and_equals_a_rebuild(sp
                      ("full", "full", 1)]
     for d in (*interval_state.STATE, *interval_state.SIMULATOR):
         assert off.list_intervals(inc.offline, d) == [T - pd.Timedelta(hours=1), T], d
+    # The label delay (30 min, the default) honoured by the refresh: the state at T holds none of the labels of its
+    # last 30 min (null in the histories, left out of the labelled-event and positive counters) and every older one.
+    assert cfg.label_delay_minutes == 30
+    ev_df = table.to_pandas()
+    ev_df = ev_df[(ev_df.event_timestamp >= T - lookback) & (ev_df.event_timestamp < T)]
+    arrived = ev_df.label.notna() & (ev_df.event_timestamp < T - pd.Timedelta(minutes=30))
+    want = ev_df.assign(k=arrived, p=arrived & (ev_df.label == 1)).groupby("user_id").agg(
+        user_cnt=("k", "size"), user_known=("k", "sum"), user_pos=("p", "sum")).reset_index()
+    got = read_sorted(inc.offline, "user_counters", T)
+    assert_same_frames(want.astype("int64"), got[list(want.columns)].astype("int64"), "user counters under delay")
+    assert (want.user_known < want.user_cnt).sum() > 5 and (ev_df.label.notna() & ~arrived).sum() > 10  # labels hidden
+    hist = read_sorted(inc.offline, "user_histories", T).explode(["hist_ts", "hist_label"])
+    late = hist.hist_ts.astype("int64") >= (T - pd.Timedelta(minutes=30)).value // 1000
+    assert late.sum() > 10 and (hist.hist_label[late] == -1).all() and (hist.hist_label[~late] >= 0).all()
     # The evaluated configuration: the whole log as lookback (nothing leaves), a budget ranked by recency whose
     # recently ranked pairs fill it, so that only the last 24 h are read.
     ev_cfg = replace(cfg, lookback_days=None, recent_hours=24, budget_per_row=0.5, select_priority="recency")

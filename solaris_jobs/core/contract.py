@@ -8,7 +8,8 @@ TIERS = ("pair", "user_aggregate", "neighbour", "none")      # the VM's tier one
 TIER_NONE = TIERS.index("none")
 
 N_GAP_BUCKETS = 33          # 0 = padding, 1..32 = 1 + floor(log2(1 + seconds))
-N_SIGNALS = 8               # 0 = padding, 1..5 = rating, 6 = negative, 7 = positive (no rating)
+N_SIGNALS = 9               # 0 = padding, 1..5 = rating, 6 = negative, 7 = positive (no rating), 8 = label unknown
+SIGNAL_UNKNOWN = 8          # no rating and no label: none in the log, or not arrived yet (the label delay)
 
 # The log-derived inputs every ranker gets (#40), computed point in time from the impression log: minutes since
 # this pair / this item was last shown and since the user's previous event (NaN: never), and how often this pair

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from solaris_jobs.core.contract import N_GAP_BUCKETS, RECENCY_INPUTS, RECENCY_WINDOWS_H
+from solaris_jobs.core.contract import N_GAP_BUCKETS, RECENCY_INPUTS, RECENCY_WINDOWS_H, SIGNAL_UNKNOWN
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,13 @@ class EventIndex:
     Args:
         events: a table in the event-log contract (all the history queries may look at; queries only ever
             see rows strictly earlier than their own time).
+        label_delay_us: an event's label (and rating) is known only this long after the event (its impression at
+            once): a query at ts sees the labels of events before ``ts - label_delay_us`` only, in the history
+            (signal ``SIGNAL_UNKNOWN``) and in the counters (labelled events and positives), as the refresh does.
     """
 
-    def __init__(self, events: pa.Table):
+    def __init__(self, events: pa.Table, label_delay_us: int = 0):
+        self.label_delay_us = int(label_delay_us)
         u = events.column("user_id").to_numpy().astype(np.int64)
         i = events.column("item_id").to_numpy().astype(np.int64)
         t = events.column("event_timestamp").cast(pa.int64()).to_numpy()
@@ -111,7 +115,8 @@ class EventIndex:
         # Full sort key, so the order never depends on the input's row order (ties broken by item, label).
         order = np.lexsort((rat, lab, i, t, u))
         self.u, self.i, self.t, self.label, self.rating = u[order], i[order], t[order], lab[order], rat[order]
-        self.signal = np.where(self.rating > 0, self.rating, np.where(self.label == 1, 7, 6)).astype(np.int64)
+        self.signal = np.where(self.rating > 0, self.rating, np.select([self.label == 1, self.label == 0], [7, 6],
+                                                                        SIGNAL_UNKNOWN)).astype(np.int64)
         self.u_key = self.u * len(self.times) + np.searchsorted(self.times, self.t)
         self.cum_known = np.concatenate([[0], np.cumsum(self.label >= 0)])
         self.cum_pos = np.concatenate([[0], np.cumsum(self.label == 1)])
@@ -142,7 +147,8 @@ class EventIndex:
 
         Returns:
             dict of (Q, length) int64 arrays: ``hist_item``, ``hist_signal`` (1-5 rating, 6/7 negative/positive
-            label), ``hist_gap`` (log2 bucket of seconds before ts); padding is 0 in all three.
+            label, 8 unknown or not arrived yet), ``hist_gap`` (log2 bucket of seconds before ts); padding is 0 in
+            all three.
         """
         start, pos = self.user_positions(users, ts)
         offs = np.arange(-length, 0)
@@ -151,24 +157,32 @@ class EventIndex:
         idx = np.where(valid, idx, 0)
         gap_s = np.maximum(ts[:, None] - self.t[idx], 0) / 1e6
         gap = 1 + np.minimum(np.floor(np.log2(1.0 + gap_s)), N_GAP_BUCKETS - 2).astype(np.int64)
+        signal = self.signal[idx]
+        if self.label_delay_us:                                         # labels that had not arrived by ts
+            signal = np.where(self.t[idx] >= ts[:, None] - self.label_delay_us, SIGNAL_UNKNOWN, signal)
         return {
             "hist_item": np.where(valid, self.i[idx], 0),
-            "hist_signal": np.where(valid, self.signal[idx], 0),
+            "hist_signal": np.where(valid, signal, 0),
             "hist_gap": np.where(valid, gap, 0),
         }
 
     def counters(self, users: np.ndarray, items: np.ndarray, ts: np.ndarray) -> dict:
-        """Events, labelled events and positives before ts, per user and per item. float32 arrays (Q,)."""
+        """Events before ts, and labelled events and positives whose label had arrived by ts (before ts less the
+        label delay), per user and per item. float32 arrays (Q,)."""
         start, pos = self.user_positions(users, ts)
         istart, ipos = self._positions(self.i_key, items, ts, self.item_sorted)
+        lpos, lipos = pos, ipos
+        if self.label_delay_us:
+            _, lpos = self.user_positions(users, ts - self.label_delay_us)
+            _, lipos = self._positions(self.i_key, items, ts - self.label_delay_us, self.item_sorted)
         f = np.float32
         return {
             "user_cnt": (pos - start).astype(f),
-            "user_known": (self.cum_known[pos] - self.cum_known[start]).astype(f),
-            "user_pos": (self.cum_pos[pos] - self.cum_pos[start]).astype(f),
+            "user_known": (self.cum_known[lpos] - self.cum_known[start]).astype(f),
+            "user_pos": (self.cum_pos[lpos] - self.cum_pos[start]).astype(f),
             "item_cnt": (ipos - istart).astype(f),
-            "item_known": (self.icum_known[ipos] - self.icum_known[istart]).astype(f),
-            "item_pos": (self.icum_pos[ipos] - self.icum_pos[istart]).astype(f),
+            "item_known": (self.icum_known[lipos] - self.icum_known[istart]).astype(f),
+            "item_pos": (self.icum_pos[lipos] - self.icum_pos[istart]).astype(f),
         }
 
 

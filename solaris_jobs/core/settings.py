@@ -103,6 +103,9 @@ class PrecomputeConfig:
             that end more than this many hours before it (``solaris_jobs.pipeline.retention``): only the next
             interval reads it, and a rerun of an interval whose previous state is gone rebuilds it from the log.
         torch_threads: torch threads per Spark task.
+        label_delay_minutes: an event's label (click, rating) reaches the log this long after the event; its
+            impression at once. The refresh at T uses the labels of events before ``T - label_delay_minutes`` only
+            (histories and counters); training sets and the evaluation's inputs follow the same rule.
     """
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
     active_hours: float = Field(24.0, gt=0)
@@ -130,6 +133,7 @@ class PrecomputeConfig:
     state_rebuild_hours: float = Field(24.0, ge=0)
     state_keep_hours: float = Field(6.0, ge=0)
     torch_threads: int = Field(1, ge=1)
+    label_delay_minutes: float = Field(30.0, ge=0)
 
     @classmethod
     def per_user_share(cls, **kw) -> "PrecomputeConfig":

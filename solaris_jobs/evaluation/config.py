@@ -20,6 +20,7 @@ class EvalConfig:
     """
     dataset: str = "synth"
     seeds: tuple = (0, 1, 2)
+    data_per_seed: bool = True       # synth: seed k draws its own log (generator seed synth.seed + k), same config
     synth: SynthConfig = field(default_factory=lambda: SynthConfig(users=5_000, items=5_000, days=5, seed=0))
     sequence_shares: tuple = (0.0, 0.25, 0.5, 0.75)       # the sweep (the headline is synth.sequence_share)
     train_days: float = 3.0
@@ -29,6 +30,7 @@ class EvalConfig:
     fm_valid_hours: float = 12.0
     cadence: str = "1h"
     delay: str = "10min"
+    label_delay_minutes: float = 30.0                      # labels arrive 30 min after their event (#40)
     ttl_pair: str = "24h"
     ttl_aggregate: str = "24h"
     ttl_neighbour: str = "24h"
@@ -108,6 +110,7 @@ def refresh_settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Pat
                         # Negative exclusion drops pairs the ranker would not rank again; this log's retrieval
                         # ranks them anyway, so excluding them would only cost coverage here.
                         exclusion_runs=0, aggregate_hours=cfg.aggregate_hours,
+                        label_delay_minutes=cfg.label_delay_minutes,
                         simulator=SimulatorConfig().with_candidates(n)))
 
 

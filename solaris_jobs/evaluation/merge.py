@@ -71,7 +71,11 @@ def _comparable(r: dict) -> dict:
     """What must be equal in every part: the data set, its manifest, the protocol and the settings a seed's numbers
     depend on."""
     cfg = {k: v for k, v in r["config"].items() if k not in MERGE_INDEPENDENT}
-    return {"dataset": r["dataset"], "config": cfg, "protocol": r["protocol"], "data": r["data"]}
+    data = r["data"]
+    if cfg.get("data_per_seed"):        # each seed drew its own log: the generator and its settings must agree
+        data = {"generator_version": data.get("generator_version"),
+                "config": {k: v for k, v in data.get("config", {}).items() if k != "seed"}}
+    return {"dataset": r["dataset"], "config": cfg, "protocol": r["protocol"], "data": data}
 
 
 def _collect(parts: list[tuple[Path, dict]]) -> tuple[list, list, dict]:
@@ -117,7 +121,7 @@ def _complete_sweep(r0: dict, seeds: list, sweep: list, sweep_seeds: list) -> li
     if sweep and not any(x["sequence_share"] == share0 for x in sweep):
         head = [s for s in seeds if s["seed"] == sweep_seeds[0]]
         if head:
-            sweep.append(sweep_point(share0, head[0], r0["data"]["positive_rate"]))
+            sweep.append(sweep_point(share0, head[0], (head[0].get("data") or r0["data"])["positive_rate"]))
         else:
             notes.append(f"the sweep's headline share {share0:g} is missing: no part holds the headline run of "
                          f"seed {sweep_seeds[0]}")

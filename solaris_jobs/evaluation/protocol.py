@@ -130,9 +130,11 @@ class ModelsConfig:
     max_train_rows: int | None = 600_000
 
 
-def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig) -> dict:
+def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig,
+                 label_delay_minutes: float) -> dict:
     """Trains fm.pt, ae.pt and vm.pt (the verifier) into ``out`` on ``[t0, t1)`` (reused when ``out`` holds them for
-    the same data, protocol, seed, settings and training code).
+    the same data, protocol, seed, settings and training code). The FM, autoencoder and verifier see an event's
+    label only ``label_delay_minutes`` after the event, as the refresh does.
 
     Returns:
         {"fm", "ae", "vm"}: each model's metrics (its validation inside ``[t0, t1)``; the test split of these
@@ -141,6 +143,7 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     from solaris_jobs.learning import training
     out = Path(out)
     key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg),
+           "label_delay_minutes": label_delay_minutes,
            "code": code_version(MODEL_CODE), "data": data_version(root)}
     stamp = out / "trained.json"
     if stamp.exists() and all((out / f"{k}.pt").exists() for k in ("fm", "ae", "vm")):
@@ -151,7 +154,7 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     tc = training.TrainConfig(epochs=cfg.fm_epochs, batch_size=cfg.batch_size, seed=seed,
                               history_len=cfg.history_len, max_train_rows=cfg.max_train_rows, patience=1)
     data = training.load_dataset(str(root), cfg.history_len, max_train_rows=cfg.max_train_rows, seed=seed,
-                                 cuts=(protocol.fm_valid_from, protocol.t1))
+                                 cuts=(protocol.fm_valid_from, protocol.t1), label_delay_minutes=label_delay_minutes)
     # The trainers' "test" split is everything from t1 on: reported by them, never used here.
     fm = training.train_fm(data, out / "fm.pt", tc, d_model=cfg.d_model, n_layers=cfg.n_layers,
                            d_interaction=cfg.d_interaction)

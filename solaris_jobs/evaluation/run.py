@@ -1,8 +1,9 @@
 """``solaris evaluate``: the whole replay evaluation of one data set, written to ``<out>/report.json`` (every number,
 the settings, the seeds and the protocol's dates) and ``<out>/report.md`` with its plots.
 
-Per seed (``seed.run_seed``; the seed varies the FM, the autoencoder, the verifier and the VMs; the data is fixed):
-train the models on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learning.replay``);
+Per seed (``seed.run_seed``; the seed varies the FM, the autoencoder, the verifier and the VMs, and, on synthetic
+data with ``data_per_seed``, the log itself: seed k draws its log with generator seed ``synth.seed + k`` from the
+same configuration, so that the intervals across seeds hold data and model variance): train the models on ``[t0, t1)``; replay ``[t1, t3)`` at the largest budget (``solaris_jobs.learning.replay``);
 derive the headline budget and cadence from it (``curves``); train the VM variants on what was served
 (``variants``); measure BCE, AUC and TR with paired-bootstrap intervals over users, overall, per tier and per
 segment, and coverage and cost through what ``FeatureReader`` served. The budget and cadence curves and the
@@ -30,9 +31,16 @@ from solaris_jobs.evaluation.targets import check_targets, seed_summary, sweep_p
 from solaris_jobs.evaluation.windows import protocol_of
 
 
-def dataset_root(cfg: EvalConfig, out: Path, share: float | None = None) -> Path:
+def data_seed(cfg: EvalConfig, seed: int) -> int | None:
+    """The generator seed of ``seed``'s log (None: a fixed data set)."""
+    if cfg.dataset != "synth":
+        return None
+    return cfg.synth.seed + seed if cfg.data_per_seed else cfg.synth.seed
+
+
+def dataset_root(cfg: EvalConfig, out: Path, share: float | None = None, seed: int | None = None) -> Path:
     """The data set (generated or converted once under ``out``; synthetic traffic at sequence share ``share``,
-    default the config's)."""
+    default the config's, drawn for evaluation seed ``seed`` (``data_seed``; default the config's own))."""
     from solaris_jobs.data import movielens, synth
     if cfg.dataset == "movielens":
         root = out / "data"
@@ -40,7 +48,10 @@ def dataset_root(cfg: EvalConfig, out: Path, share: float | None = None) -> Path
             movielens.build(root)
         return root
     sc = cfg.synth if share is None else replace(cfg.synth, sequence_share=share)
-    root = out / f"data-seq{sc.sequence_share:g}"
+    if seed is not None:
+        sc = replace(sc, seed=data_seed(cfg, seed))
+    root = out / f"data-seq{sc.sequence_share:g}" if sc.seed == cfg.synth.seed else \
+        out / f"data-seq{sc.sequence_share:g}-seed{sc.seed}"
     stamp = root / "manifest.json"
     if stamp.exists():
         made = json.loads(stamp.read_text())
@@ -67,18 +78,24 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     t_all = time.perf_counter()
     spark = jobs.session(Settings(spark_master=cfg.spark_master, spark_log_level="ERROR",
                                   spark_driver_memory="6g"), "evaluate")
-    root = dataset_root(cfg, out)
-    table = ev.read_events(root)
-    protocol = protocol_of(cfg, table)
-    events = EventTable(table, str(root))
-    manifest = ev.read_manifest(root)
-    seeds, sweep = [], []
+    commit = code_commit()
+    seeds, sweep, data = [], [], {}
+
+    def seed_data(seed: int):
+        """The seed's data set, its manifest, protocol and log (one log at a time in memory); the report's own
+        ``data`` and ``protocol`` are the first seed's (each seed's are in ``per_seed``)."""
+        root = dataset_root(cfg, out, seed=seed)
+        table = ev.read_events(root)
+        manifest, protocol = ev.read_manifest(root), protocol_of(cfg, table)
+        data.setdefault("manifest", manifest), data.setdefault("protocol", protocol)
+        return root, manifest, protocol, EventTable(table, str(root))
 
     def write(done: bool) -> dict:
         summaries = [seed_summary(r) for r in seeds]
         report = {
-            "dataset": cfg.dataset, "complete": done, "config": json.loads(json.dumps(cfg.key(), default=str)),
-            "protocol": protocol.to_dict(), "data": {k: v for k, v in manifest.items() if k != "seconds"},
+            "dataset": cfg.dataset, "complete": done, "config": report_config(cfg),
+            "protocol": data["protocol"].to_dict(),
+            "data": {k: v for k, v in data["manifest"].items() if k != "seconds"},
             "seeds": [r["seed"] for r in seeds], "summary": summaries, "targets": check_targets(summaries),
             "per_seed": seeds, "sweep": sweep, "timings": {"total_s": round(time.perf_counter() - t_all, 1)}}
         rep.save(report, out)
@@ -86,10 +103,15 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
 
     # Written after every seed and sweep point (``complete`` false until the end): a long run is readable early.
     for k, seed in enumerate(cfg.seeds):
+        root, manifest, protocol, events = seed_data(seed)
         ctx = SeedContext(cfg, root, out / f"seed{seed}", protocol, seed, events, spark)
-        seeds.append(run_seed(ctx, with_curves=cfg.curves and k == 0))
+        r = run_seed(ctx, with_curves=cfg.curves and k == 0)
+        seeds.append({**r, "data_seed": data_seed(cfg, seed), "commit": commit, "protocol": protocol.to_dict(),
+                      "data": {f: v for f, v in manifest.items() if f != "seconds"}})
+        events.unpersist()
         write(False)
-    events.unpersist()
+    if not seeds:
+        seed_data(cfg.sweep_seed)
     for share in cfg.sequence_shares:
         if cfg.dataset != "synth":
             break
@@ -107,11 +129,28 @@ def _sweep_point(cfg: EvalConfig, out: Path, share: float, seeds: list[dict], sp
     if share == cfg.synth.sequence_share and head:
         r = head[0]      # the headline data at the sweep's seed: that seed's headline run is the point
     else:
-        r_root = dataset_root(cfg, out, share)
+        r_root = dataset_root(cfg, out, share, seed=cfg.sweep_seed)
         t = ev.read_events(r_root)
         e = EventTable(t, str(r_root))
         ctx = SeedContext(cfg, r_root, out / f"sweep-seq{share:g}" / f"seed{cfg.sweep_seed}", protocol_of(cfg, t),
                           cfg.sweep_seed, e, spark)
         r = run_seed(ctx, with_curves=False, names=cfg.sweep_variants)
         e.unpersist()
-    return sweep_point(share, r, ev.read_manifest(dataset_root(cfg, out, share))["positive_rate"])
+    return sweep_point(share, r, ev.read_manifest(dataset_root(cfg, out, share, seed=cfg.sweep_seed))["positive_rate"])
+
+
+def report_config(cfg: EvalConfig) -> dict:
+    """The report's ``config``: every setting of ``cfg``, and the inputs every ranker takes from the log."""
+    from solaris_jobs.core.contract import RECENCY_INPUTS
+    from solaris_jobs.pipeline.history import COUNTER_COLS
+    return {**json.loads(json.dumps(cfg.key(), default=str)),
+            "ranker_inputs": {"counters": list(COUNTER_COLS), "recency": list(RECENCY_INPUTS),
+                              "solaris_variants_add": ["fm_emb", "tier", "fm_age_h"]}}
+
+
+def code_commit() -> dict:
+    """The commit the evaluation runs (and whether the checkout had uncommitted changes to tracked files)."""
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True).stdout.strip()
+    return {"sha": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}

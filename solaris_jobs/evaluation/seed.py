@@ -1,6 +1,7 @@
-"""One seed's run (the seed varies the FM, the autoencoder, the verifier and the VMs; the data is fixed): train the
-models on ``[t0, t1)``; replay ``[t1, t3)`` (``replays``); train the VM variants on what was served
-(``variants``); score them on the test rows (``scoring``) and, for the first seed, the curves (``seed_curves``).
+"""One seed's run (the seed varies the FM, the autoencoder, the verifier and the VMs; the caller chooses the seed's
+data, ``run.dataset_root``): train the models on ``[t0, t1)``; replay ``[t1, t3)`` (``replays``); train the VM
+variants on what was served (``variants``); score them on the test rows (``scoring``) and, for the first seed, the
+curves (``seed_curves``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def run_seed(ctx: SeedContext, with_curves: bool, names=None) -> dict:
     training window and the KD grid check); ``names``: the variants to train (default all)."""
     cfg = ctx.cfg
     t_seed = time.perf_counter()
-    model_metrics = train_models(ctx.root, ctx.protocol, ctx.seed, ctx.out / "models", cfg.models)
+    model_metrics = train_models(ctx.root, ctx.protocol, ctx.seed, ctx.out / "models", cfg.models,
+                                 cfg.label_delay_minutes)
     base = replay_base(ctx, with_curves)
     served, dout = base.served_at(cfg.budget)
     tab = variant_table(ctx, base, served)
@@ -69,7 +71,8 @@ def variant_table(ctx: SeedContext, base: BaseReplay, served):
     """The VM variants' table: the log's examples with the FM's outputs and the features ``served``."""
     from solaris_jobs.learning import training
     P = ctx.protocol
-    data = training.load_dataset(str(ctx.root), base.models.history_len, cuts=(P.valid_from, P.t2))
+    data = training.load_dataset(str(ctx.root), base.models.history_len, cuts=(P.valid_from, P.t2),
+                                 label_delay_minutes=ctx.cfg.label_delay_minutes)
     cache = variants.fm_outputs(data, base.models.fm.path, base.models.ae.path, P, ctx.out / "cache")
     return variants.build_table(data, P, served, cache)
 

@@ -68,8 +68,9 @@ def train(kind: str, version_dir: str) -> dict:
         raise ValueError(f"unknown model kind {kind!r}")
     # Nothing from the served window reaches the FM, the autoencoder or the verifier: the ranker's VM trains on
     # their outputs there, which must be out of their sample as in serving.
+    delay = Settings.from_env(require=False).precompute.label_delay_minutes
     data = training.load_dataset(root, o.history_len, max_train_rows=o.max_train_rows, seed=o.seed,
-                                 cuts=(P.fm_valid_from, P.t1))
+                                 cuts=(P.fm_valid_from, P.t1), label_delay_minutes=delay)
     if kind == "fm":
         m = training.train_fm(data, d / "fm.pt", cfg, d_model=o.d_model, n_layers=o.layers,
                               d_interaction=o.d_interaction)
@@ -102,7 +103,8 @@ def train_served_vm(root: str, version_dir: Path, o: TrainSettings, P) -> dict:
     plan = replay.ReplayPlan(P.t1, P.t2, every, pd.Timedelta(minutes=10), ttls)
     rec = replay.run(jobs.session(s, "train-served"), s, EventTable(table, root), models, plan,
                      version_dir / "served")
-    data = training.load_dataset(root, models.history_len, cuts=(P.valid_from, P.t2))
+    data = training.load_dataset(root, models.history_len, cuts=(P.valid_from, P.t2),
+                                 label_delay_minutes=s.precompute.label_delay_minutes)
     served = replay.read_served(version_dir / "served")
     out = variants.train_on_served(data, P, served, models, version_dir / "vm_transfer.pt", seed=o.seed)
     out.update(mode="transfer", protocol=P.to_dict(), served_every=str(every), replay_wall_s=rec["wall_s"],

@@ -71,12 +71,16 @@ class Dataset:
 
 
 def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_train_rows: int | None = None,
-                 seed: int = 0, cuts: tuple | None = None) -> Dataset:
+                 seed: int = 0, cuts: tuple | None = None, label_delay_minutes: float = 0.0) -> Dataset:
     """Reads ``root`` (events + side tables) and splits it by time.
 
     Args:
         split: train/valid/test shares of the rows, by time quantiles (without ``cuts``).
         cuts: (valid_from, test_from) times instead: train before the first, valid up to the second, test after.
+        label_delay_minutes: labels arrive this long after their event (``PrecomputeConfig.label_delay_minutes``):
+            every row's inputs see only the labels that had arrived at its time (``EventIndex``), and the rows of
+            the last ``label_delay_minutes`` before the test split (the training time) have no label yet: they
+            train and validate nothing (label -1).
 
     Raises:
         DataContractError: no event log under ``root``, or it is empty.
@@ -93,7 +97,8 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
         table = table.filter(pa.array(~bad))
         if table.num_rows == 0:
             raise ev.DataContractError(f"{root}: every event row breaks the contract ({rejected})")
-    index = EventIndex(table)
+    delay_us = int(round(label_delay_minutes * 60e6))
+    index = EventIndex(table, label_delay_us=delay_us)
     examples = Examples.from_events(index, table, history_len)
     if cuts is not None:
         c1, c2 = (ev.to_utc(c).value // 1000 for c in cuts)
@@ -101,6 +106,9 @@ def load_dataset(root: str, history_len: int = 50, split=(0.8, 0.1, 0.1), max_tr
         train, valid, test, cuts = ts < c1, (ts >= c1) & (ts < c2), ts >= c2, (int(c1), int(c2))
     else:
         train, valid, test, cuts = time_split(examples.ts, split)
+    if delay_us:
+        pending = (examples.ts >= cuts[1] - delay_us) & (examples.ts < cuts[1])
+        examples.label[pending], examples.rating[pending] = -1.0, 0.0
     if max_train_rows:
         # Large logs: N training rows and N/4 each for valid and test, sampled uniformly.
         rng = np.random.default_rng(seed)

@@ -14,6 +14,17 @@ COUNTER_COLS = USER_COUNTER_COLS + ITEM_COUNTER_COLS
 HIST_COLS = ["hist_ts", "hist_item", "hist_label", "hist_rating"]
 
 
+def hide_recent_labels(events, T: pd.Timestamp, delay_minutes: float):
+    """``events`` with the label and rating of those at or after ``T - delay_minutes`` set to null: what the log
+    knows at T when an event's label arrives ``delay_minutes`` after it (its impression at once)."""
+    from pyspark.sql import functions as F
+    if not delay_minutes:
+        return events
+    recent = F.col("event_timestamp") >= F.lit((T - pd.Timedelta(minutes=delay_minutes)).to_pydatetime())
+    return events.withColumns({c: F.when(recent, F.lit(None).cast(events.schema[c].dataType)).otherwise(F.col(c))
+                               for c in ("label", "rating")})
+
+
 def counters(prior):
     """Per-user and per-item (events, labelled events, positives) before T: the VM's and FM's counters, as exact
     integer counts (the models read them as float32)."""
@@ -68,21 +79,27 @@ def interval_state(prior, history_len: int):
     return (user_histories(prior, history_len), *counters(prior))
 
 
-def merge_histories(prev, new_events, history_len: int, since=None):
+def merge_histories(prev, new_events, history_len: int, since=None, until=None):
     """Every user's history at T from the histories at the previous cutoff (``user_histories`` there) and the
     events since, all later than any event of ``prev``: the user's last ``history_len`` of both, the new events'
     own ordering as ``user_histories``'s. ``since``: entries of ``prev`` older than it (they left the lookback) are
-    dropped first; users left with none get no row. Equal to ``user_histories`` of all the lookback's events: a
-    user's history at the previous cutoff holds every one of their events more recent than its oldest entry."""
+    dropped first; ``until``: entries of ``prev`` at or after it are dropped too (``new_events`` holds them again,
+    with the labels that arrived since); users left with none get no row. Equal to ``user_histories`` of all the
+    lookback's events: a user's history at the previous cutoff holds every one of their events more recent than its
+    oldest entry."""
     from pyspark.sql import functions as F
     L = int(history_len)
     new = user_histories(new_events, L)
     old = prev.select("user_id", *[F.col(c).alias(f"_o{c}") for c in HIST_COLS])
-    if since is not None:
-        cut = F.lit(pd.Timestamp(since).value // 1000)
-        # Each array is sorted by time, so the entries that left the lookback are a prefix.
-        n_out = F.size(F.filter("_ohist_ts", lambda x: x < cut))
-        old = old.select("user_id", *[F.slice(f"_o{c}", n_out + 1, L).alias(f"_o{c}") for c in HIST_COLS])
+    if since is not None or until is not None:
+        us = lambda t: F.lit(pd.Timestamp(t).value // 1000)
+        # Each array is sorted by time: the entries that left the lookback are a prefix, those re-read a suffix.
+        n_out = F.size(F.filter("_ohist_ts", lambda x: x < us(since))) if since is not None else F.lit(0)
+        n_to = F.size(F.filter("_ohist_ts", lambda x: x < us(until))) if until is not None else F.lit(L)
+        n_keep = F.greatest(n_to - n_out, F.lit(0))
+        old = old.select("user_id", *[F.when(n_keep > 0, F.slice(f"_o{c}", n_out + 1, n_keep))
+                                      .otherwise(F.array().cast(prev.schema[c].dataType)).alias(f"_o{c}")
+                                      for c in HIST_COLS])
     both = old.join(new, "user_id", "full_outer")
     types = dict(new.dtypes)
     empty = {c: F.array().cast(types[c]) for c in HIST_COLS}

@@ -21,14 +21,14 @@ from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import PrecomputeConfig, Settings
 from solaris_jobs.pipeline import history, simulator
 from solaris_jobs.pipeline.step_common import Clock, publish
-from solaris_jobs.pipeline.windows import prior_events, read_from
+from solaris_jobs.pipeline.windows import prior_events, read_from, union_all
 
 logger = logging.getLogger(__name__)
 
 STATE = off.STATE_DATASETS
 SIMULATOR = off.SIMULATOR_STATE
 # What the datasets of one interval's state record alike.
-STATE_FIELDS = ("interval_end", "history_len", "lookback_days", "log", "full_at")
+STATE_FIELDS = ("interval_end", "history_len", "lookback_days", "label_delay_minutes", "log", "full_at")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class StateKey:
     history_len: int
     lookback_days: float | None
     selection: str | None
+    label_delay_minutes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,9 @@ def _not_updatable(run: StateRun, start: pd.Timestamp, P: pd.Timestamp, held: st
     if None in (first["log"], first["full_at"]) or any({k: st.get(k) for k in STATE_FIELDS} != first
                                                        for st in stats[1:]):
         return f"the state of {P.isoformat()} is incomplete or from an older version"
-    if (first["history_len"], first["lookback_days"]) != (run.history_len, cfg.lookback_days):
-        return f"the state of {P.isoformat()} has another history length or lookback"
+    if ((first["history_len"], first["lookback_days"], first["label_delay_minutes"])
+            != (run.history_len, cfg.lookback_days, cfg.label_delay_minutes)):
+        return f"the state of {P.isoformat()} has another history length, lookback or label delay"
     if run.T - pd.Timestamp(first["full_at"]) >= pd.Timedelta(hours=cfg.state_rebuild_hours):
         return f"its last full rebuild ({first['full_at']}) is {cfg.state_rebuild_hours:g} h old or more"
     if not all(off.is_complete(offline, d, P) for d in STATE):
@@ -204,24 +206,35 @@ def update_state(run: StateRun, base: Base, reads: LogReads) -> tuple[State, str
         why = (f"the log's files of {prev.leaving[0].isoformat()}-{prev.leaving[1].isoformat()} changed while they "
                "were read")
         logger.warning("state of %s: %s; rebuilding it from the whole lookback", run.T, why)
+    whole = history.hide_recent_labels(reads.whole(), run.T, run.cfg.label_delay_minutes)
     if run.history_len is None:                         # no state is written: only the counters are used
-        return State(None, *history.counters(reads.whole())), why
-    return State(*history.interval_state(reads.whole(), run.history_len)), why
+        return State(None, *history.counters(whole)), why
+    return State(*history.interval_state(whole, run.history_len)), why
 
 
 def _updated(run: StateRun, prev: Previous, reads: LogReads) -> State | None:
-    """The previous state updated to T, or None when the leaving hours' files changed while they were read."""
+    """The previous state updated to T, or None when the leaving hours' files changed while they were read. With a
+    label delay d, the events of ``[P - d, P)`` entered the previous state without their labels: they are taken out
+    of it and read again with the labels known at T."""
     from pyspark.sql import functions as F
     hist, uc, ic = (off.read_interval(run.spark, run.settings.offline, d, prev.end) for d in STATE)
-    new = reads.near.where(F.col("event_timestamp") >= F.lit(prev.end.to_pydatetime()))
-    gone = (None, None) if prev.leaving is None else history.counters(reads.leaving())
+    d = run.cfg.label_delay_minutes
+    redo = prev.end - pd.Timedelta(minutes=d)
+    since_redo = reads.near.where(F.col("event_timestamp") >= F.lit(redo.to_pydatetime()))
+    new = history.hide_recent_labels(since_redo, run.T, d)
+    gone = [] if prev.leaving is None else [reads.leaving()]
+    if d:                                               # as the previous state holds them: no label yet
+        gone.append(history.hide_recent_labels(
+            since_redo.where(F.col("event_timestamp") < F.lit(prev.end.to_pydatetime())), prev.end, d))
+    gone = history.counters(union_all(gone)) if gone else (None, None)
     uc, ic = (run.cache(history.merge_counters(*x)) for x in zip((uc, ic), history.counters(new), gone))
+    until = redo if d else None
     if prev.leaving is None:
-        return State(history.merge_histories(hist, new, run.history_len, None), uc, ic)
+        return State(history.merge_histories(hist, new, run.history_len, None, until), uc, ic)
     uc.count(), ic.count()                              # the leaving hours are read now
     if run.source.fingerprints([prev.leaving])[0] == prev.leaving_fingerprint:
         since = read_from(run.T, run.cfg.lookback_days)
-        return State(history.merge_histories(hist, new, run.history_len, since), uc, ic)
+        return State(history.merge_histories(hist, new, run.history_len, since, until), uc, ic)
     uc.unpersist(), ic.unpersist()
     return None
 
@@ -341,7 +354,7 @@ def _publish_all(spark, offline: str, T: pd.Timestamp, frames: dict, record: dic
 def read_state(spark, s: Settings, cfg: PrecomputeConfig, T: pd.Timestamp) -> State | None:
     """The interval's state when it was made with ``cfg``'s history length and lookback for the interval's
     published selection, else None."""
-    want = asdict(StateKey(cfg.history_len, cfg.lookback_days, selection_run(s, T)))
+    want = asdict(StateKey(cfg.history_len, cfg.lookback_days, selection_run(s, T), cfg.label_delay_minutes))
     for d in STATE:
         stats = off.read_stats(s.offline, d, T) or {}
         if {k: stats.get(k) for k in want} != want:

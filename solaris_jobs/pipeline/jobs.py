@@ -105,7 +105,7 @@ def _state_from_log(spark, s: Settings, cfg, T: pd.Timestamp, events, cache, clo
     fingerprint = source.fingerprints([(first, T)])[0]
     prior = cache(prior_events(source.spark(spark, start=first, end=T), T, cfg.lookback_days))
     state = interval_state.State(*history.interval_state(prior, cfg.history_len))
-    key = StateKey(cfg.history_len, cfg.lookback_days, interval_state.selection_run(s, T))
+    key = StateKey(cfg.history_len, cfg.lookback_days, interval_state.selection_run(s, T), cfg.label_delay_minutes)
     interval_state.write_state(spark, s.offline, T, state, key, clock, fingerprint=fingerprint, full_at=T)
     return interval_state.read_state(spark, s, cfg, T)
 

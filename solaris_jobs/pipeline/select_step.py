@@ -137,7 +137,9 @@ def _read_log(run: StateRun, start: pd.Timestamp, base: Base, sim_why: str | Non
     cfg, T = run.cfg, run.T
     lookback = read_from(T, cfg.lookback_days, start)
     near_only = base.previous is not None and (_simulator_may_be_skipped(cfg) or sim_why is None)
-    first = min(start, T - pd.Timedelta(hours=_near_hours(cfg))) if near_only else lookback
+    # The previous state's last ``label_delay_minutes`` are read again (their labels arrived since).
+    first = (min(start - pd.Timedelta(minutes=cfg.label_delay_minutes), T - pd.Timedelta(hours=_near_hours(cfg)))
+             if near_only else lookback)
     raw = run.source.spark(run.spark, start=first, end=T)
     near = run.cache(prior_events(raw, T, cfg.lookback_days))
     whole = (lambda: near) if first == lookback else functools.cache(
@@ -239,7 +241,7 @@ def _write_state(run: StateRun, staged: off.Staged, state: State, pool: Pool, ba
     if run.history_len is None:
         return None
     cfg, prev = run.cfg, base.previous
-    key = StateKey(run.history_len, cfg.lookback_days, off.RUN + staged.run)
+    key = StateKey(run.history_len, cfg.lookback_days, off.RUN + staged.run, cfg.label_delay_minutes)
     out = interval_state.write_state(
         run.spark, run.settings.offline, run.T, state, key, clock, fingerprint=base.fingerprint,
         full_at=run.T if prev is None else pd.Timestamp(prev.stats["full_at"]), sim=pool.sim,
