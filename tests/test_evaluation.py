@@ -372,6 +372,13 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
     assert report["config"]["label_delay_minutes"] == 30 and report["config"]["data_per_seed"] is True
     crit = report["targets"]["across_seeds"]["criterion"]
     assert crit["met"] is None and crit["ci"][0] <= crit["value"] <= crit["ci"][1] and crit["method"]
+    # The headroom: the test BCE of the labels' own probabilities (the generator's truth/) is below every model's,
+    # and each model's share of it above the VM is what its BCE says.
+    hr = s_a["headline"]["headroom"]
+    assert hr["achievable_bce"] < min(v["bce"] for v in test_a.values()) and hr["share_above_vm"]["vm"] == 0
+    fm_share = (hr["bce"]["vm"] - hr["bce"]["fm"]) / (hr["bce"]["vm"] - hr["achievable_bce"])
+    assert hr["share_above_vm"]["fm"] == pytest.approx(fm_share) and hr["bce"]["fm"] == pytest.approx(
+        s_a["headline"]["test"]["variants"]["fm"]["bce"])
     md = (out / "report.md").read_text()
     assert "## Targets" in md and "VM + SOLARIS, all tiers" in md
     for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png",

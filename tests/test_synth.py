@@ -101,3 +101,21 @@ def test_uniform_draws_are_keyed_not_sequential():
     b = synth._uniform(3, 1, np.arange(5, 10))
     assert np.array_equal(a[5:], b) and (a >= 0).all() and (a < 1).all()
     assert abs(synth._uniform(3, 1, np.arange(100_000)).mean() - 0.5) < 0.01
+
+
+def test_every_row_has_its_true_click_probability_beside_the_log(synth_root):
+    """``truth/`` holds the probability each row's label was drawn from (never read by a job or a model): one per
+    logged row, calibrated to the positive rate, and a better predictor of the labels than any model can be."""
+    import pytest
+    table = ev.read_events(synth_root)
+    u, i = table.column("user_id").to_numpy(), table.column("item_id").to_numpy()
+    t = table.column("event_timestamp").cast("int64").to_numpy()
+    y = table.column("label").to_numpy().astype(float)
+    p = synth.read_truth(synth_root, u, i, t)
+    assert np.isfinite(p).all() and ((p > 0) & (p < 1)).all()
+    assert abs(p.mean() - y.mean()) < 0.01                      # the labels are draws from these probabilities
+    bce = lambda q: float(-np.mean(y * np.log(q) + (1 - y) * np.log(1 - q)))
+    assert bce(p) < bce(np.full_like(p, y.mean())) - 0.01
+    assert np.isnan(synth.read_truth(synth_root, [u[0]], [i[0]], [t[0] + 1]))[0]   # not a logged row
+    with pytest.raises(FileNotFoundError, match="truth"):
+        synth.read_truth(synth_root / "events", u, i, t)

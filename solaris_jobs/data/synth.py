@@ -258,11 +258,12 @@ def _candidates(cfg: SynthConfig, world: _World, users: _Users, req: _Request) -
 
 
 def _clicks(cfg: SynthConfig, world: _World, calib: Calibration, users: _Users, req: _Request,
-            cand: _Candidates, raw: list | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            cand: _Candidates, raw: list | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The hidden click model: a static part (ids and side features can learn it) and a sequence part.
 
     Returns:
-        (clicks (r, K) bool, the candidates' vectors (r, K, LATENT), the users' interest decayed to now).
+        (clicks (r, K) bool, the candidates' vectors (r, K, LATENT), the users' interest decayed to now, the true
+        click probabilities (r, K) the clicks were drawn from).
     """
     a_s = cfg.signal_scale * math.sqrt(1.0 - cfg.sequence_share)
     a_d = cfg.signal_scale * math.sqrt(cfg.sequence_share)
@@ -277,9 +278,9 @@ def _clicks(cfg: SynthConfig, world: _World, calib: Calibration, users: _Users, 
         raw.append((static.ravel(), seq.ravel()))
     logit = (calib.bias + a_s * (static - calib.mu_s) / calib.sd_s + a_d * (seq - calib.mu_d) / calib.sd_d)
     k_cand = cfg.n_pool + cfg.n_fresh
-    y = _uniform(cfg.seed, 43, req.uid[:, None], req.stepk[:, None], np.arange(k_cand)[None, :]) < 1.0 / (
-        1.0 + np.exp(-logit))
-    return y, v, cur_interest
+    prob = 1.0 / (1.0 + np.exp(-logit))
+    y = _uniform(cfg.seed, 43, req.uid[:, None], req.stepk[:, None], np.arange(k_cand)[None, :]) < prob
+    return y, v, cur_interest, prob
 
 
 def _after_clicks(users: _Users, req: _Request, cand: _Candidates, y: np.ndarray, v: np.ndarray,
@@ -306,16 +307,21 @@ def _next_requests(cfg: SynthConfig, users: _Users, req: _Request) -> None:
 
 
 EVENT_COLUMNS = ("user_id", "item_id", "event_timestamp", "label", "request_id")
+# Beside the log, never in it: each row's true click probability (``truth/``), so that a report can show the
+# achievable BCE and how much of that headroom each model reaches. No job and no model reads it.
+TRUTH_DIR = "truth"
 
 
-def _log_request(out: dict, step: int, req: _Request, cand: _Candidates, y: np.ndarray) -> None:
-    """Appends a request's rows (one per candidate) to ``out``'s columns (``event_timestamp`` in seconds)."""
+def _log_request(out: dict, step: int, req: _Request, cand: _Candidates, y: np.ndarray, prob: np.ndarray) -> None:
+    """Appends a request's rows (one per candidate) to ``out``'s columns (``event_timestamp`` in seconds) and
+    their true click probabilities."""
     k_cand = cand.items.shape[1]
     out["user_id"].append(np.repeat(req.uid, k_cand))
     out["item_id"].append(cand.items.ravel() + 1)
     out["event_timestamp"].append(np.repeat(req.tt, k_cand))
     out["label"].append(y.ravel())
     out["request_id"].append(np.repeat(req.uid * 65536 + step, k_cand))
+    out["click_prob"].append(prob.ravel())
 
 
 def _events_table(cfg: SynthConfig, out: dict) -> pa.Table:
@@ -323,8 +329,7 @@ def _events_table(cfg: SynthConfig, out: dict) -> pa.Table:
     if not out["user_id"]:
         return ev.conform(pd.DataFrame({c: pd.Series(dtype="int64") for c in ["user_id", "item_id"]})
                           .assign(event_timestamp=pd.Series(dtype="datetime64[us, UTC]")))
-    start_us = ev.to_utc(cfg.start).value // 1000
-    ts_us = start_us + np.floor(np.concatenate(out["event_timestamp"]) * 1e6).astype(np.int64)
+    ts_us = _event_us(cfg, out)
     table = pa.table({
         "user_id": np.concatenate(out["user_id"]),
         "item_id": np.concatenate(out["item_id"]),
@@ -335,14 +340,32 @@ def _events_table(cfg: SynthConfig, out: dict) -> pa.Table:
     return ev.conform(table)
 
 
+def _event_us(cfg: SynthConfig, out: dict) -> np.ndarray:
+    start_us = ev.to_utc(cfg.start).value // 1000
+    return start_us + np.floor(np.concatenate(out["event_timestamp"]) * 1e6).astype(np.int64)
+
+
+def _truth_table(cfg: SynthConfig, out: dict) -> pa.Table:
+    """Each logged row's key (user, item, time) and its true click probability, rows in the log's order."""
+    if not out["user_id"]:
+        return pa.table({"user_id": pa.array([], pa.int64()), "item_id": pa.array([], pa.int64()),
+                         "event_timestamp": pa.array([], pa.timestamp("us", tz="UTC")),
+                         "click_prob": pa.array([], pa.float32())})
+    return pa.table({"user_id": np.concatenate(out["user_id"]).astype(np.int64),
+                     "item_id": np.concatenate(out["item_id"]).astype(np.int64),
+                     "event_timestamp": pa.array(_event_us(cfg, out), pa.timestamp("us", tz="UTC")),
+                     "click_prob": np.concatenate(out["click_prob"]).astype(np.float32)})
+
+
 def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int, calib: Calibration,
-                    raw: list | None = None) -> pa.Table:
+                    raw: list | None = None, truth: list | None = None) -> pa.Table:
     """Simulates users lo+1..hi (ids are 1-based) and returns their events.
 
     ``raw``: when a list, the (static, sequence) parts of every row's logit are appended to it (the calibration).
+    ``truth``: when a list, the rows' true click probabilities are appended to it as a table (``_truth_table``).
     """
     users = _start_users(cfg, world, lo, hi)
-    out = {c: [] for c in EVENT_COLUMNS}
+    out = {c: [] for c in (*EVENT_COLUMNS, "click_prob")}
     for step in range(cfg.max_requests):
         rows = np.flatnonzero(users.alive)
         if rows.size == 0:
@@ -351,10 +374,12 @@ def _generate_chunk(cfg: SynthConfig, world: _World, lo: int, hi: int, calib: Ca
         req = _Request(rows, users.ids[rows], tt, np.full(rows.size, step), tt - users.last_t[rows])
         _drift_pools(cfg, world, users, req)
         cand = _candidates(cfg, world, users, req)
-        y, v, cur_interest = _clicks(cfg, world, calib, users, req, cand, raw)
+        y, v, cur_interest, prob = _clicks(cfg, world, calib, users, req, cand, raw)
         _after_clicks(users, req, cand, y, v, cur_interest)
-        _log_request(out, step, req, cand, y)
+        _log_request(out, step, req, cand, y, prob)
         _next_requests(cfg, users, req)
+    if truth is not None:
+        truth.append(_truth_table(cfg, out))
     return _events_table(cfg, out)
 
 
@@ -468,8 +493,11 @@ def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -
         [("user_id", pa.int64()), ("segment", pa.int32()), ("region", pa.int32())]), compression="zstd")
     try:
         for k, (lo, hi) in enumerate(chunks):
-            table = _generate_chunk(cfg, world, lo, hi, calib)
+            truth: list = []
+            table = _generate_chunk(cfg, world, lo, hi, calib, truth=truth)
             ev.write_events(table, out, part=f"part-{k:05d}")
+            (out / TRUTH_DIR).mkdir(exist_ok=True)
+            pq.write_table(truth[0], out / TRUTH_DIR / f"part-{k:05d}.parquet", compression="zstd")
             rec, rows = pair_recurrence(table)
             n_rows += rows
             n_rec += rec
@@ -491,9 +519,30 @@ def generate(cfg: SynthConfig, out: str | os.PathLike, progress: bool = False) -
         "users_with_events": n_users,
         "positive_rate": n_pos / max(n_rows, 1), "pair_recurrence_24h": n_rec / max(n_rows, 1),
         "consecutive_requests_within_10min": float(gaps[0] / max(gaps[1], 1)), "calibration": asdict(calib),
-        "rejected": 0, "seconds": round(time.perf_counter() - t0, 2),
+        "rejected": 0, "seconds": round(time.perf_counter() - t0, 2), "truth": TRUTH_DIR,
     }
     ev.write_manifest(out, manifest)
     logger.info("synthetic: %d rows, %d users, positive rate %.3f, 24h pair recurrence %.3f in %.1fs", n_rows,
                 n_users, manifest["positive_rate"], manifest["pair_recurrence_24h"], manifest["seconds"])
     return manifest
+
+
+def read_truth(root: str | os.PathLike, users: np.ndarray, items: np.ndarray, ts_us: np.ndarray) -> np.ndarray:
+    """The true click probability of each given row (user, item, event time in microseconds) of a synthetic data
+    set; NaN for a row not in it.
+
+    Raises:
+        FileNotFoundError: ``root`` has no ``truth/`` (not a synthetic data set, or one made before it was written).
+    """
+    folder = Path(root) / TRUTH_DIR
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{root}: no {TRUTH_DIR}/ with the rows' true click probabilities (a synthetic data "
+                                "set from `solaris data synth` has one)")
+    table = pq.read_table(folder)
+    t = pd.DataFrame({"user_id": table.column("user_id").to_numpy(), "item_id": table.column("item_id").to_numpy(),
+                      "t": table.column("event_timestamp").cast(pa.int64()).to_numpy(),
+                      "click_prob": table.column("click_prob").to_numpy()})
+    keys = pd.DataFrame({"user_id": np.asarray(users, np.int64), "item_id": np.asarray(items, np.int64),
+                         "t": np.asarray(ts_us, np.int64)})
+    got = keys.merge(t.drop_duplicates(["user_id", "item_id", "t"]), on=["user_id", "item_id", "t"], how="left")
+    return got["click_prob"].to_numpy(np.float64)

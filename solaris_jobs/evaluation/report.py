@@ -250,7 +250,19 @@ def _md_seed(r: dict) -> list[str]:
     c = te.get("criterion")
     if c:
         L += ["", _verdict(c, te["variants"].get("vm_kd"))]
-    return L + _md_coverage(r) + _md_tier_shares(h) + _md_per_tier_and_segment(h)
+    return L + _md_headroom(h) + _md_coverage(r) + _md_tier_shares(h) + _md_per_tier_and_segment(h)
+
+
+def _md_headroom(h: dict) -> list[str]:
+    """The achievable test BCE (synthetic data: the labels' own probabilities) and the share of the headroom above
+    the VM each model reaches."""
+    hr = h.get("headroom")
+    if not hr:
+        return []
+    parts = ", ".join(f"{LABELS[n]} {_f(hr['share_above_vm'].get(n), 3)}" for n in ORDER
+                      if n in hr["share_above_vm"] and n != "vm")
+    return ["", f"Achievable test BCE (the probabilities the labels were drawn from) {_f(hr['achievable_bce'], 5)}; "
+                f"share of the headroom above the VM reached: {parts}."]
 
 
 def _md_coverage(r: dict) -> list[str]:

@@ -10,6 +10,7 @@ import pandas as pd
 import pyarrow as pa
 
 from solaris_jobs.core.contract import TIERS
+from solaris_jobs.data import synth
 from solaris_jobs.evaluation import metrics, variants
 from solaris_jobs.evaluation.replays import SeedContext
 from solaris_jobs.evaluation.windows import ceiling_and_segments, coverage, event_us, tier_shares, within
@@ -60,7 +61,31 @@ def evaluate_test(ctx: SeedContext, tab, fits: dict, served: pa.Table, every: pd
         "validation rows [valid_from, t2)": tier_shares(tab.served_tier[tab.split == 1]),
         "test rows [t2, t3)": tier_shares(tier)}
     out["returning_test_users"] = int(len(np.unique(users[returning])))
+    out["headroom"] = headroom(ctx.root, tab, y, losses)
     return out
+
+
+def headroom(root, tab, y: np.ndarray, losses: dict) -> dict | None:
+    """The achievable test BCE (that of the probabilities the labels were drawn from: synthetic data only, None
+    elsewhere) and the share of the headroom each model reaches: above the VM, ``(BCE(VM) - BCE(X)) / (BCE(VM) -
+    achievable)``, and above the base rate likewise. Reported, never used to choose anything.
+
+    Raises:
+        ValueError: a test row has no true probability (the data set's ``truth/`` does not match its log).
+    """
+    test = tab.split == 2
+    try:
+        p = synth.read_truth(root, tab.users[test], tab.items[test], tab.ts[test])
+    except FileNotFoundError:
+        return None
+    if not np.isfinite(p).all():
+        raise ValueError(f"{root}: {int((~np.isfinite(p)).sum())} of {len(p)} test rows have no true click "
+                         f"probability in {synth.TRUTH_DIR}/")
+    best = float(metrics.row_bce(y, p).mean())
+    bce = {k: float(v.mean()) for k, v in losses.items()}
+    share = lambda ref: {k: (bce[ref] - v) / (bce[ref] - best) if bce[ref] > best else None for k, v in bce.items()}
+    return {"achievable_bce": best, "bce": bce, "share_above_vm": share("vm"),
+            "share_above_base_rate": share("base_rate")}
 
 
 def _returning(tab, served: pa.Table, extra: dict) -> np.ndarray:
