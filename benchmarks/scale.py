@@ -79,7 +79,7 @@ def train_models(data: Path, out: Path) -> dict:
     cfg = training.TrainConfig(epochs=1, history_len=50, max_train_rows=200_000)
     training.train_fm(ds, out / "fm.pt", cfg)
     training.train_ae(ds, out / "fm.pt", out / "ae.pt", cfg)
-    training.train_vm(ds, out / "vm.pt", cfg)
+    training.train_verifier(ds, out / "vm.pt", cfg)
     return {"seconds": round(time.perf_counter() - t0, 1), "trained_on": str(data)}
 
 

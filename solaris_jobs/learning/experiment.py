@@ -42,7 +42,10 @@ def run_movielens(workdir: Path, seeds: list[int], fm_epochs: int = 3, force: bo
         vm_cfg = training.TrainConfig(epochs=8, seed=seed, patience=2)
         fm = _cached(mdir / "fm.pt", force, lambda: training.train_fm(data, mdir / "fm.pt", cfg))
         ae = _cached(mdir / "ae.pt", force, lambda: training.train_ae(data, mdir / "fm.pt", mdir / "ae.pt", cfg))
-        vm = _cached(mdir / "vm.pt", force, lambda: training.train_vm(data, mdir / "vm.pt", vm_cfg))
+        # The ranker baseline takes the recency inputs, as KD and transfer do; the refresh's verifier (vm.pt, what
+        # the demo's refresh loads from this folder) is the counters-only VM the select step scores with.
+        vm = _cached(mdir / "vm_ranker.pt", force, lambda: training.train_vm(data, mdir / "vm_ranker.pt", vm_cfg))
+        _cached(mdir / "vm.pt", force, lambda: training.train_verifier(data, mdir / "vm.pt", vm_cfg))
         kd = _cached(mdir / "vm_kd.pt", force, lambda: training.train_vm(
             data, mdir / "vm_kd.pt", vm_cfg, mode="kd", fm_path=mdir / "fm.pt"))
         tr = _cached(mdir / "vm_transfer.pt", force, lambda: training.train_vm(
