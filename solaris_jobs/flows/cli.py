@@ -129,12 +129,16 @@ def _train_options(f):
 def _train_run(kw: dict):
     """The training settings of the flags in ``kw`` (validated: an error names the flag), the trainers' settings,
     and the data set they read."""
-    from solaris_jobs.core.settings import TrainSettings, validate_train
+    from solaris_jobs.core.settings import Settings, TrainSettings, validate_train
     from solaris_jobs.learning import training
     fields = {k: kw.pop(k) for k in list(kw) if k in TrainSettings.__pydantic_fields__}
     ts = validate_train(fields, {k: "--" + k.replace("_", "-") for k in fields})
     cfg = training.TrainConfig.of(ts, lr=kw.pop("lr"), device=kw.pop("device"))
-    data = training.load_dataset(kw.pop("root"), ts.history_len, max_train_rows=ts.max_train_rows, seed=ts.seed)
+    # Labels as the refresh sees them: an event's label only ``label_delay_minutes`` after it (the last minutes
+    # before the test split unlabelled), from the same settings the refresh reads.
+    delay = Settings.from_env(require=False).precompute.label_delay_minutes
+    data = training.load_dataset(kw.pop("root"), ts.history_len, max_train_rows=ts.max_train_rows, seed=ts.seed,
+                                 label_delay_minutes=delay)
     return ts, cfg, data
 
 
