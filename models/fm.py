@@ -3,8 +3,9 @@
 History tokens are (item with its side features) + (signal: rating or label) + (time-gap bucket) + position,
 encoded by a small transformer with a learned "empty history" token in front. The target item attends over the
 encoded history (DIN-style target attention). A shared trunk turns [target, attended history, mean history,
-user, target * attended, counters] into the interaction embedding h(u, i); two heads read it: the positive label
-(logit) and the rating (1-5, where the data has one).
+user, target * attended, counters] (and, with ``target_user``, target * user: the user's lasting taste for the
+item, which a product term carries better than an MLP on the concatenation) into the interaction embedding
+h(u, i); two heads read it: the positive label (logit) and the rating (1-5, where the data has one).
 
 The user-level embedding (no target) is the normalised [mean encoded history, user vector]: what the KNN
 fallback clusters on.
@@ -32,6 +33,7 @@ class FMConfig:
     d_interaction: int = 128
     dropout: float = 0.1
     rating_weight: float = 0.5
+    target_user: bool = False       # the trunk also takes target * user (#40's search chooses it on validation)
 
 
 class FoundationModel(nn.Module):
@@ -50,7 +52,7 @@ class FoundationModel(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.query = nn.Linear(d, d)
         self.trunk = nn.Sequential(
-            nn.Linear(5 * d + 4, 2 * cfg.d_interaction), nn.GELU(), nn.Dropout(cfg.dropout),
+            nn.Linear((6 if cfg.target_user else 5) * d + 4, 2 * cfg.d_interaction), nn.GELU(), nn.Dropout(cfg.dropout),
             nn.Linear(2 * cfg.d_interaction, cfg.d_interaction), nn.GELU(),
         )
         self.label_head = nn.Linear(cfg.d_interaction, 1)
@@ -93,7 +95,10 @@ class FoundationModel(nn.Module):
         attn = scores.masked_fill(pad, float("-inf")).softmax(-1)
         attended = torch.einsum("bl,bld->bd", attn, enc)                    # (B, d)
         user = self.users(b["user"])
-        z = torch.cat([target, attended, mean, user, target * attended, counter_features(b)], -1)
+        parts = [target, attended, mean, user, target * attended, counter_features(b)]
+        if self.cfg.target_user:
+            parts.insert(5, target * user)
+        z = torch.cat(parts, -1)
         h = self.trunk(z)                                                   # (B, d_interaction)
         return {"logit": self.label_head(h).squeeze(-1), "rating": 1.0 + 4.0 * torch.sigmoid(
             self.rating_head(h).squeeze(-1)), "h": h}

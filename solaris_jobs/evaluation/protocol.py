@@ -11,13 +11,17 @@ import hashlib
 import importlib.util
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from solaris_jobs.core.events import to_utc
+
+if TYPE_CHECKING:
+    from solaris_jobs.learning.training import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -118,16 +122,34 @@ def by_quantiles(ts_us: np.ndarray, q1: float = 0.8, q2: float = 0.9, valid_shar
 
 @dataclass(frozen=True)
 class ModelsConfig:
-    """The FM, autoencoder and verifier trained before t1."""
+    """The FM, autoencoder and verifier trained before t1. The FM's recipe (``fm_*``, ``history_len``) is the one
+    its validation search chose (``fm_search``); the search's own settings are ``fm_search.PLAN``."""
     d_model: int = 64
     n_layers: int = 2
     d_interaction: int = 128
     d_code: int = 32
     history_len: int = 50
-    fm_epochs: int = 1
+    fm_epochs: int = 3                       # at most; early stopping on [fm_valid_from, t1)
+    fm_patience: int = 1
+    fm_lr: float = 2e-3
+    fm_weight_decay: float = 0.0
+    fm_dropout: float = 0.1
+    fm_target_user: bool = False             # the trunk's target x user product
     vm_epochs: int = 6
     batch_size: int = 512
-    max_train_rows: int | None = 600_000
+    max_train_rows: int | None = None        # None: every row before fm_valid_from trains
+    report_rows: int = 150_000               # the trainers' own "test" rows [t1, ...): reported, never used
+
+    def fm_args(self) -> dict:
+        """The ``FMConfig`` fields of this recipe."""
+        return {"d_model": self.d_model, "n_layers": self.n_layers, "d_interaction": self.d_interaction,
+                "dropout": self.fm_dropout, "target_user": self.fm_target_user}
+
+    def fm_train(self, seed: int) -> "TrainConfig":
+        from solaris_jobs.learning.training import TrainConfig
+        return TrainConfig(epochs=self.fm_epochs, batch_size=self.batch_size, seed=seed, lr=self.fm_lr,
+                           weight_decay=self.fm_weight_decay, patience=self.fm_patience,
+                           history_len=self.history_len, max_train_rows=self.max_train_rows)
 
 
 def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig,
@@ -151,18 +173,19 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
         if done.get("key") == key:
             logger.info("reusing the models in %s", out)
             return done["metrics"]
-    tc = training.TrainConfig(epochs=cfg.fm_epochs, batch_size=cfg.batch_size, seed=seed,
-                              history_len=cfg.history_len, max_train_rows=cfg.max_train_rows, patience=1)
     data = training.load_dataset(str(root), cfg.history_len, max_train_rows=cfg.max_train_rows, seed=seed,
                                  cuts=(protocol.fm_valid_from, protocol.t1), label_delay_minutes=label_delay_minutes)
     # The trainers' "test" split is everything from t1 on: reported by them, never used here.
-    fm = training.train_fm(data, out / "fm.pt", tc, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                           d_interaction=cfg.d_interaction)
-    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", tc, d_code=cfg.d_code)
-    vm = training.train_verifier(data, out / "vm.pt", training.TrainConfig(
-        epochs=cfg.vm_epochs, batch_size=cfg.batch_size, seed=seed, patience=2, history_len=cfg.history_len,
-        max_train_rows=cfg.max_train_rows))
+    data.test = training.cap_rows(data.test, cfg.report_rows, seed)
+    tc = cfg.fm_train(seed)
+    fm = training.train_fm(data, out / "fm.pt", tc, **cfg.fm_args())
+    # The autoencoder's own recipe (5 epochs, the trainers' default learning rate), whatever the FM's.
+    base = training.TrainConfig(batch_size=cfg.batch_size, seed=seed, history_len=cfg.history_len,
+                                max_train_rows=cfg.max_train_rows)
+    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", replace(base, epochs=1), d_code=cfg.d_code)
+    vm = training.train_verifier(data, out / "vm.pt", replace(base, epochs=cfg.vm_epochs, patience=2))
     keep = lambda m: {k: v for k, v in m.items() if k != "history"}
     metrics = {"fm": keep(fm), "ae": keep(ae), "vm": keep(vm)}
-    stamp.write_text(json.dumps({"key": key, "metrics": metrics}, indent=1, default=str) + "\n")
+    stamp.write_text(json.dumps({"key": key, "metrics": metrics, "fm_history": fm["history"]}, indent=1,
+                                default=str) + "\n")
     return metrics

@@ -287,6 +287,29 @@ def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, 
     click.echo(f"report: {Path(out) / 'report.html'} (and report.md, report.json)")
 
 
+@main.command("evaluate-fm-search")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the data and the search's "
+              "points (cached: an interrupted search resumes).")
+@click.option("--result", default=None, type=click.Path(dir_okay=False),
+              help="Where to write the table (default benchmarks/results/fm_search_synth.json).")
+def evaluate_fm_search_cmd(out, result) -> None:
+    """The FM's recipe search on seed 0's validation slice (``solaris_jobs.evaluation.fm_search``): run once, before
+    the evaluation's seeds; its choice is ``ModelsConfig``'s default."""
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.evaluation import fm_search
+    from solaris_jobs.evaluation.config import EvalConfig
+    from solaris_jobs.evaluation.run import dataset_root
+    from solaris_jobs.evaluation.windows import protocol_of
+    cfg = EvalConfig()
+    root = dataset_root(cfg, Path(out), seed=fm_search.PLAN.seeds[0])
+    table = fm_search.search(root, protocol_of(cfg, ev.read_events(root)), Path(out) / "fm_search", cfg.models,
+                             cfg.label_delay_minutes)
+    path = Path(result) if result else fm_search.RESULT
+    path.write_text(json.dumps(table, indent=1, default=str) + "\n")
+    click.echo(json.dumps(table["chosen"]))
+    click.echo(f"table: {path}")
+
+
 @main.command("evaluate-merge")
 @click.argument("reports", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the merged report.json, "

@@ -248,15 +248,25 @@ def _split_info(data: Dataset) -> dict:
             "valid_from": to_iso(data.cuts[0]), "test_from": to_iso(data.cuts[1])}
 
 
-def train_fm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), **model_args) -> dict:
-    """Trains the FM; saves the checkpoint at ``out``; returns metrics (valid/test BCE and AUC, base rate)."""
+def build_fm(data: Dataset, cfg: TrainConfig, **model_args) -> FoundationModel:
+    """A freshly initialised FM for ``data`` (seeded by ``cfg.seed``, on ``cfg.device``); ``model_args``: the other
+    ``FMConfig`` fields (widths, dropout, target_user)."""
     _seed(cfg.seed)
-    device = resolve_device(cfg.device)
     model = FoundationModel(FMConfig(user_side=data.user_side, item_side=data.item_side,
                                      history_len=cfg.history_len, **model_args))
     model.users.set_tables(*data.tables["user"])
     model.items.set_tables(*data.tables["item"])
-    model.to(device)
+    return model.to(resolve_device(cfg.device))
+
+
+def cap_rows(examples: Examples, n: int, seed: int) -> Examples:
+    """At most ``n`` of ``examples``, sampled uniformly (in time order)."""
+    return examples.subset(_sample(np.ones(len(examples), bool), n, np.random.default_rng(seed)))
+
+
+def train_fm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), **model_args) -> dict:
+    """Trains the FM; saves the checkpoint at ``out``; returns metrics (valid/test BCE and AUC, base rate)."""
+    model = build_fm(data, cfg, **model_args)
     t0 = time.perf_counter()
     run = fit(model, data, cfg, "fm")
     metrics = _final_metrics(model, data, run, t0)
