@@ -6,7 +6,10 @@ impression log (minutes since the pair / the item was last shown and since the u
 shows in the last 1 / 6 / 24 h: ``solaris_jobs.core.model_inputs.recency``), an MLP to one logit. Optionally an FM
 slot: a D-dim embedding from the feature store
 plus a one-hot tier indicator (pair, user aggregate, neighbour, none) and, with ``fm_age``, the age of the served
-embedding (``log1p(hours) / 4``; 0 for tier none); rows with no embedding get zeros and tier none. Knowledge
+embedding (``log1p(hours) / 4``; 0 for tier none); rows with no embedding get zeros and tier none. With
+``tier_slots`` each tier's embedding has its own input slot (zeros in the others), so that a pair code and a user
+aggregate of the same width are not read by the same weights; with ``fm_count`` the number of FM embeddings behind
+the served one (1 for a pair, the pairs an aggregate averages, the neighbours) is an input too (``log1p(n) / 4``). Knowledge
 distillation (the baseline SOLARIS is compared against) trains the same model on a mix of the label and the FM's
 soft label at temperature ``kd_temperature``.
 """
@@ -21,6 +24,8 @@ from torch import nn
 from models.common import N_RECENCY_FEATURES, SideEmbedding, counter_features, recency_features
 from solaris_jobs.core.contract import TIER_NONE, TIERS  # noqa: F401 (re-exported)
 
+assert TIER_NONE == len(TIERS) - 1        # the embedding tiers first: their slots are one_hot[:, :TIER_NONE]
+
 
 @dataclass
 class VMConfig:
@@ -32,6 +37,8 @@ class VMConfig:
     recency: bool = True             # the log-derived recency inputs (#40: every ranker, baseline included)
     fm_dim: int = 0                  # 0: no FM slot; else the width of the FM embedding input
     fm_age: bool = False             # with the FM slot: the served embedding's age as an input too
+    tier_slots: bool = False         # with the FM slot: one input slot per tier (else one slot shared by all tiers)
+    fm_count: bool = False           # with the FM slot: the number of embeddings behind the served one as an input
     kd_weight: float = 0.0           # > 0: knowledge distillation, the FM soft label's weight per soft-labelled row
     kd_temperature: float = 1.0      # soft labels sigmoid(fm_logit / T) against sigmoid(logit / T), scaled by T^2
 
@@ -43,7 +50,8 @@ class VerticalModel(nn.Module):
         self.users = SideEmbedding(cfg.user_side, cfg.d_emb)
         self.items = SideEmbedding(cfg.item_side, cfg.d_emb)
         width = 3 * cfg.d_emb + 4 + N_RECENCY_FEATURES * int(cfg.recency)
-        width += cfg.fm_dim + len(TIERS) + int(cfg.fm_age) if cfg.fm_dim else 0
+        slots = len(TIERS) - 1 if cfg.tier_slots else 1
+        width += cfg.fm_dim * slots + len(TIERS) + int(cfg.fm_age) + int(cfg.fm_count) if cfg.fm_dim else 0
         layers = []
         for h in cfg.hidden:
             layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(cfg.dropout)]
@@ -51,8 +59,9 @@ class VerticalModel(nn.Module):
         self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
 
     def forward(self, b: dict) -> dict:
-        """b: batch tensors; with an FM slot also ``fm_emb`` (B, fm_dim), ``tier`` (B,) int64 and, with ``fm_age``,
-        ``fm_age_h`` (B,) hours (NaN or anything for tier none: ignored there).
+        """b: batch tensors; with an FM slot also ``fm_emb`` (B, fm_dim), ``tier`` (B,) int64, with ``fm_age``
+        ``fm_age_h`` (B,) hours and with ``fm_count`` ``fm_count`` (B,) (NaN or anything for tier none: ignored
+        there).
 
         Returns:
             ``logit`` (B,).
@@ -68,11 +77,16 @@ class VerticalModel(nn.Module):
             if emb is None:
                 emb = u.new_zeros(B, self.cfg.fm_dim)
                 tier = torch.full((B,), TIER_NONE, dtype=torch.long, device=u.device)
-            parts += [emb, F.one_hot(tier, len(TIERS)).float()]
-            if self.cfg.fm_age:
-                age = b.get("fm_age_h")
-                age = u.new_zeros(B) if age is None else torch.nan_to_num(age.float(), nan=0.0).clamp(min=0.0)
-                parts.append((torch.log1p(age) / 4.0 * (tier != TIER_NONE).float()).unsqueeze(-1))
+            one_hot = F.one_hot(tier, len(TIERS)).float()
+            if self.cfg.tier_slots:
+                emb = (emb.unsqueeze(1) * one_hot[:, :TIER_NONE, None]).flatten(1)   # (B, tiers x fm_dim)
+            parts += [emb, one_hot]
+            served = (tier != TIER_NONE).float()
+            for on, key in ((self.cfg.fm_age, "fm_age_h"), (self.cfg.fm_count, "fm_count")):
+                if on:
+                    x = b.get(key)
+                    x = u.new_zeros(B) if x is None else torch.nan_to_num(x.float(), nan=0.0).clamp(min=0.0)
+                    parts.append((torch.log1p(x) / 4.0 * served).unsqueeze(-1))
         return {"logit": self.mlp(torch.cat(parts, -1)).squeeze(-1)}
 
     def loss(self, out: dict, b: dict) -> torch.Tensor:

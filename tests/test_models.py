@@ -54,6 +54,30 @@ def test_forward_shapes_and_no_nan_for_empty_history():
     assert with_emb.shape == (5,) and len(TIERS) == 4
 
 
+def test_each_tier_has_its_own_slot_and_the_count_behind_it_is_an_input():
+    """With ``tier_slots`` the same embedding served as a pair code and as a user aggregate goes through different
+    first-layer weights: zeroing the pair slot's weights removes the embedding's effect on pair rows only; the
+    count behind a served row moves the logit, and is ignored on tier none."""
+    b = _batch()
+    torch.manual_seed(0)
+    vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, fm_dim=3, tier_slots=True, fm_count=True))
+    vm.eval()
+    emb = torch.randn(5, 3)
+    tier = torch.tensor([0, 0, 1, 1, 3])
+    count = torch.tensor([1.0, 1.0, 7.0, 7.0, 0.0])
+    base = {**b, "fm_emb": emb, "tier": tier, "fm_count": count}
+    first = vm.mlp[0]
+    start = first.in_features - (3 * 3 + len(TIERS) + 1)       # the FM inputs come last: slots, one-hot, count
+    with torch.no_grad():
+        first.weight[:, start:start + 3] = 0.0                    # the pair slot
+    zeroed = vm({**base, "fm_emb": torch.zeros(5, 3)})["logit"]
+    got = vm(base)["logit"]
+    assert torch.equal(got[:2], zeroed[:2]) and not torch.isclose(got[2:4], zeroed[2:4]).any()
+    assert torch.equal(got[4], zeroed[4])                          # tier none: zeros whatever was passed
+    more = vm({**base, "fm_count": count * 3})["logit"]
+    assert not torch.isclose(more[2:4], got[2:4]).any() and torch.equal(more[4], got[4])
+
+
 def test_checkpoint_round_trip_rebuilds_the_same_model(tmp_path):
     fm, b = _fm(), _batch()
     version = save_checkpoint(fm, tmp_path / "fm.pt", extra={"note": 1})

@@ -313,6 +313,9 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
     assert f.tier_names() == ["pair"] * n + ["user_aggregate"] * len(unknown)
     np.testing.assert_array_equal(f.embeddings[:n], np.stack(mine.embedding))
     np.testing.assert_array_equal(f.embeddings[n:], np.repeat(agg.loc[user].embedding[None], len(unknown), 0))
+    # What stands behind each row: one pair, or the pairs the aggregate averages.
+    np.testing.assert_array_equal(f.counts, [1] * n + [agg.loc[user].n_pairs] * len(unknown))
+    assert agg.loc[user].n_pairs > 1
     # Past the pair TTL (4 h) the user aggregate serves; past 24 h nothing; before the interval end (a replay
     # asking for an earlier time) nothing either: it would leak the future.
     assert set(reader.read(user, items, ML_END + 4 * HOUR + pd.Timedelta(seconds=1)).tier_names()) == \
@@ -325,6 +328,7 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
     g = reader.read(int(nb_only[0]), unknown[:5], ML_END + HOUR)
     assert g.tier_names() == ["neighbour"] * 5
     np.testing.assert_array_equal(g.embeddings, np.repeat(nb.loc[nb_only[0]].embedding[None], 5, 0))
+    assert (g.counts == nb.loc[nb_only[0]].n_neighbours).all() and nb.loc[nb_only[0]].n_neighbours > 0
     # Another model version than the VM's is never served.
     other = FeatureReader(store, "fm-000000000000+ae-000000000000", dim, misses=None)
     h = other.read(user, items, ML_END + HOUR)
@@ -439,6 +443,7 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
         f = reader.read(user, np.concatenate([mine.item_id.to_numpy(), [10**6]]), ML_END + HOUR)
         assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"]
         np.testing.assert_array_equal(f.embeddings[:-1], np.stack(mine.embedding))
+        assert f.counts.tolist() == [1] * len(mine) + [off["user_aggregates"].set_index("user_id").loc[user].n_pairs]
         reader.close()
 
 

@@ -1,4 +1,6 @@
 """Training: determinism under a seed, and learning on real MovieLens-100K (several seeds)."""
+from dataclasses import replace
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -18,6 +20,41 @@ def test_training_is_deterministic_under_a_seed(synth_root, tmp_path):
     c = training.train_fm(data, tmp_path / "c.pt", training.TrainConfig(epochs=1, seed=4, history_len=10),
                           d_model=16, n_layers=1, d_interaction=32)
     assert c["model_version"] != a["model_version"]
+
+
+def test_an_interrupted_fm_training_resumes_to_the_uninterrupted_model(synth_root, tmp_path, monkeypatch):
+    """Stopped in its second epoch (after the first epoch's state was saved), the training resumes from that
+    state and ends on the model an uninterrupted run gives, bit for bit; another key starts over."""
+    data = training.load_dataset(str(synth_root), history_len=10, max_train_rows=4_000)
+    cfg = training.TrainConfig(epochs=2, seed=3, history_len=10, device="cpu", patience=2,
+                               max_train_rows=4_000)
+    kw = dict(d_model=16, n_layers=1, d_interaction=32, target_user=True)
+    whole = training.train_fm(data, tmp_path / "whole.pt", cfg, resume_key="k", **kw)
+    assert not (tmp_path / "whole.pt.resume").exists()
+    evaluate, calls = training.evaluate, []
+
+    def stop_in_epoch_two(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return evaluate(*a, **k)
+
+    monkeypatch.setattr(training, "evaluate", stop_in_epoch_two)
+    with pytest.raises(KeyboardInterrupt):
+        training.train_fm(data, tmp_path / "cut.pt", cfg, resume_key="k", **kw)
+    monkeypatch.setattr(training, "evaluate", evaluate)
+    assert (tmp_path / "cut.pt.resume").exists() and not (tmp_path / "cut.pt").exists()
+    resumed = training.train_fm(data, tmp_path / "cut.pt", cfg, resume_key="k", **kw)
+    assert resumed["model_version"] == whole["model_version"]
+    assert [r["valid_bce"] for r in resumed["history"]] == [r["valid_bce"] for r in whole["history"]]
+    # A state saved under another key (other data, settings or code) is not resumed from.
+    monkeypatch.setattr(training, "evaluate", stop_in_epoch_two)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        training.train_fm(data, tmp_path / "other.pt", cfg, resume_key="k", **kw)
+    monkeypatch.setattr(training, "evaluate", evaluate)
+    other = training.train_fm(data, tmp_path / "other.pt", replace(cfg, seed=4), resume_key="k2", **kw)
+    assert len(other["history"]) == 2 and other["model_version"] != whole["model_version"]
 
 
 @pytest.fixture(scope="module")

@@ -178,7 +178,8 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     # The trainers' "test" split is everything from t1 on: reported by them, never used here.
     data.test = training.cap_rows(data.test, cfg.report_rows, seed)
     tc = cfg.fm_train(seed)
-    fm = training.train_fm(data, out / "fm.pt", tc, **cfg.fm_args())
+    # Hours at the full size: resumable per epoch when the run is interrupted.
+    fm = training.train_fm(data, out / "fm.pt", tc, resume_key=json.dumps(key, sort_keys=True), **cfg.fm_args())
     # The autoencoder's own recipe (5 epochs, the trainers' default learning rate), whatever the FM's.
     base = training.TrainConfig(batch_size=cfg.batch_size, seed=seed, history_len=cfg.history_len,
                                 max_train_rows=cfg.max_train_rows)

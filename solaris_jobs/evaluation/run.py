@@ -145,7 +145,8 @@ def report_config(cfg: EvalConfig) -> dict:
     from solaris_jobs.pipeline.history import COUNTER_COLS
     return {**json.loads(json.dumps(cfg.key(), default=str)),
             "ranker_inputs": {"counters": list(COUNTER_COLS), "recency": list(RECENCY_INPUTS),
-                              "solaris_variants_add": ["fm_emb", "tier", "fm_age_h"]}}
+                              "solaris_variants_add": ["fm_emb (one slot per tier)", "tier", "fm_age_h",
+                                                      "fm_count"]}}
 
 
 def code_commit() -> dict:

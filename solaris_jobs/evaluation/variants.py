@@ -87,6 +87,7 @@ class Table:
     served_emb: np.ndarray       # (n, D) what the store served (zeros: tier none)
     served_tier: np.ndarray
     served_age_h: np.ndarray     # NaN for tier none
+    served_n: np.ndarray         # the FM embeddings behind what was served (1 pair, n_pairs, n_neighbours; 0 none)
     oracle_emb: np.ndarray       # (n, D) the FM's code at the row's time (zeros before t1)
     fm_logit: np.ndarray         # the FM's logit at the row's time (NaN before t1)
     user_side: dict
@@ -105,14 +106,15 @@ class Table:
         if source == "oracle":
             has = np.isfinite(self.fm_logit)
             tier = np.where(has, T_PAIR, TIER_NONE).astype(np.int64)
-            emb, age = self.oracle_emb, np.where(has, 0.0, np.nan)
+            emb, age, count = self.oracle_emb, np.where(has, 0.0, np.nan), has.astype(np.float32)
         else:
             tier = np.where(np.isin(self.served_tier, keep), self.served_tier, TIER_NONE).astype(np.int64)
             emb = np.where((tier != TIER_NONE)[:, None], self.served_emb, 0.0).astype(np.float32)
             age = np.where(tier != TIER_NONE, self.served_age_h, np.nan)
+            count = np.where(tier != TIER_NONE, self.served_n, 0).astype(np.float32)
         if zeroed:
             emb = np.zeros_like(emb)
-        a.update(fm_emb=emb, tier=tier, fm_age_h=age.astype(np.float32))
+        a.update(fm_emb=emb, tier=tier, fm_age_h=age.astype(np.float32), fm_count=count)
         return a, emb.shape[1]
 
 
@@ -138,7 +140,7 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict | None) -> Tabl
     recent = recency(data.index, users, items, ts)
     n = len(users)
     key = pd.DataFrame({"user_id": users, "item_id": items, "ts": ts, "row": np.arange(n)})
-    served_emb, served_tier, served_age = _served_arrays(key, served)
+    served_emb, served_tier, served_age, served_n = _served_arrays(key, served)
     fm_logit = np.full(n, np.nan, np.float32)
     if fm_cache is None:                        # no oracle, no KD (training the ranker's VM on served features)
         oracle = np.zeros((0, served_emb.shape[1]), np.float32)
@@ -149,13 +151,13 @@ def build_table(data, protocol, served: pa.Table, fm_cache: dict | None) -> Tabl
         oracle = np.zeros((n, fm_cache["code"].shape[1]), np.float32)
         oracle[mf.row] = fm_cache["code"][mf.frow]
         fm_logit[mf.row] = fm_cache["logit"][mf.frow]
-    return Table(users, items, ts, labels, counters, recent, split, served_emb, served_tier, served_age, oracle,
-                 fm_logit, data.user_side, data.item_side, data.tables)
+    return Table(users, items, ts, labels, counters, recent, split, served_emb, served_tier, served_age, served_n,
+                 oracle, fm_logit, data.user_side, data.item_side, data.tables)
 
 
 def _served_arrays(key: pd.DataFrame, served: pa.Table):
-    """The served embedding, tier and age (hours) of each row of ``key`` (user_id, item_id, ts, row); rows the
-    replay did not serve (before t1) get zeros and tier none."""
+    """The served embedding, tier, age (hours) and count behind it of each row of ``key`` (user_id, item_id, ts,
+    row); rows the replay did not serve (before t1) get zeros and tier none."""
     n = len(key)
     s = pd.DataFrame({"user_id": served.column("user_id").to_numpy(), "item_id": served.column("item_id").to_numpy(),
                       "ts": served.column("event_timestamp").cast(pa.int64()).to_numpy(), "srow": np.arange(
@@ -165,19 +167,21 @@ def _served_arrays(key: pd.DataFrame, served: pa.Table):
     emb = np.zeros((n, dim), np.float32)
     tier = np.full(n, TIER_NONE, np.int64)
     age = np.full(n, np.nan)
+    count = np.zeros(n, np.int32)
     emb_all = served.column("embedding").combine_chunks().flatten().to_numpy().reshape(-1, dim)
     emb[m.row] = emb_all[m.srow]
     tier[m.row] = served.column("tier").to_numpy()[m.srow]
     age[m.row] = served.column("age_s").to_numpy(zero_copy_only=False)[m.srow] / 3600.0
-    return emb, tier, age
+    count[m.row] = served.column("n_behind").to_numpy()[m.srow]
+    return emb, tier, age, count
 
 
 def build_table_like(tab: Table, served: pa.Table) -> Table:
     """``tab`` with the served inputs of another replay of the same rows (a budget or cadence of the curves)."""
     from dataclasses import replace
     key = pd.DataFrame({"user_id": tab.users, "item_id": tab.items, "ts": tab.ts, "row": np.arange(len(tab.users))})
-    emb, tier, age = _served_arrays(key, served)
-    return replace(tab, served_emb=emb, served_tier=tier, served_age_h=age)
+    emb, tier, age, count = _served_arrays(key, served)
+    return replace(tab, served_emb=emb, served_tier=tier, served_age_h=age, served_n=count)
 
 
 def fm_outputs(data, fm_path, ae_path, protocol, cache: Path) -> dict:
@@ -225,7 +229,8 @@ def _fit_one(tab: Table, variant: str, params: dict, seed: int, epochs: int, bat
     torch.manual_seed(seed)
     np.random.seed(seed)
     model = VerticalModel(VMConfig(user_side=tab.user_side, item_side=tab.item_side, recency=tab.with_recency,
-                                   fm_dim=fm_dim, fm_age=bool(fm_dim), dropout=params["dropout"], **kd))
+                                   fm_dim=fm_dim, fm_age=bool(fm_dim), tier_slots=bool(fm_dim),
+                                   fm_count=bool(fm_dim), dropout=params["dropout"], **kd))
     model.users.set_tables(*tab.tables["user"])
     model.items.set_tables(*tab.tables["item"])
     cfg = training.TrainConfig(epochs=epochs, batch_size=batch_size, lr=params["lr"],
@@ -240,6 +245,7 @@ def fingerprint(tab: Table) -> str:
     import hashlib
     h = hashlib.sha256()
     for a in (tab.users, tab.items, tab.ts, tab.labels, tab.split, tab.served_tier, tab.served_emb, tab.served_age_h,
+              tab.served_n,
               tab.oracle_emb, tab.fm_logit, *(tab.counters[k] for k in sorted(tab.counters)),
               *(tab.recency[k] for k in sorted(tab.recency)), np.array([tab.with_recency])):
         h.update(np.ascontiguousarray(a).tobytes())

@@ -11,7 +11,8 @@ in time order with the miss queue live (its misses are written where the next se
 model versions, "no row newer than the request" and misses act exactly as in serving.
 
 What is recorded per logged row (``served.parquet``): user, item, time, request, tier, the embedding served (D
-floats, zeros for tier none) and its age in seconds (NaN for tier none), and the refresh whose store served it.
+floats, zeros for tier none), its age in seconds (NaN for tier none), the FM embeddings behind it (``n_behind``: 1
+for a pair, the aggregate's pairs, the neighbours; 0 for none), and the refresh whose store served it.
 """
 from __future__ import annotations
 

@@ -186,8 +186,13 @@ def evaluate(model, examples: Examples, batch_size: int = 1024) -> dict:
     return {"bce": bce(examples.label, p), "auc": auc(examples.label, p), "rows": int(len(examples))}
 
 
-def fit(model, data: Dataset, cfg: TrainConfig, name: str) -> dict:
+def fit(model, data: Dataset, cfg: TrainConfig, name: str, resume: tuple[Path, str] | None = None) -> dict:
     """Trains ``model`` (which has ``loss(out, batch)``) on data.train, early-stopped on data.valid BCE.
+
+    Args:
+        resume: (path, key): after every epoch the whole training state (weights, optimizer, random generators,
+            history) is saved at ``path``; a later call with the same ``key`` (what the run depends on) continues
+            after the last saved epoch, with the result an uninterrupted run gives. The file is removed at the end.
 
     Returns:
         Per-epoch history and the best epoch's valid metrics; the model holds the best weights.
@@ -196,7 +201,20 @@ def fit(model, data: Dataset, cfg: TrainConfig, name: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     best, best_state, history, bad = math.inf, None, [], 0
     n_batches = math.ceil(len(data.train) / cfg.batch_size)
-    for epoch in range(cfg.epochs):
+    start = 0
+    if resume is not None and Path(resume[0]).exists():
+        state = torch.load(resume[0], weights_only=False)
+        if state["key"] == resume[1]:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            torch.set_rng_state(state["torch_rng"])
+            np.random.set_state(state["numpy_rng"])
+            best, best_state, history, bad = state["best"], state["best_state"], state["history"], state["bad"]
+            start = len(history)
+            logger.info("%s: resuming after epoch %d (%s)", name, start, resume[0])
+    for epoch in range(start, cfg.epochs):
+        if bad >= cfg.patience:
+            break
         t0 = time.perf_counter()
         model.train()
         ys, ps = [], []
@@ -222,9 +240,15 @@ def fit(model, data: Dataset, cfg: TrainConfig, name: str) -> dict:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
             bad += 1
-            if bad >= cfg.patience:
-                break
+        if resume is not None:
+            tmp = Path(f"{resume[0]}.tmp")
+            torch.save({"key": resume[1], "model": model.state_dict(), "opt": opt.state_dict(),
+                        "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "best": best,
+                        "best_state": best_state, "history": history, "bad": bad}, tmp)
+            tmp.replace(resume[0])
     model.load_state_dict(best_state)
+    if resume is not None:
+        Path(resume[0]).unlink(missing_ok=True)
     best_epoch = min(history, key=lambda r: r["valid_bce"])["epoch"]
     return {"history": history, "best_epoch": best_epoch}
 
@@ -264,11 +288,13 @@ def cap_rows(examples: Examples, n: int, seed: int) -> Examples:
     return examples.subset(_sample(np.ones(len(examples), bool), n, np.random.default_rng(seed)))
 
 
-def train_fm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), **model_args) -> dict:
-    """Trains the FM; saves the checkpoint at ``out``; returns metrics (valid/test BCE and AUC, base rate)."""
+def train_fm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), resume_key: str | None = None,
+             **model_args) -> dict:
+    """Trains the FM; saves the checkpoint at ``out``; returns metrics (valid/test BCE and AUC, base rate).
+    ``resume_key``: resumable per epoch (``fit``), from ``<out>.resume`` when written under the same key."""
     model = build_fm(data, cfg, **model_args)
     t0 = time.perf_counter()
-    run = fit(model, data, cfg, "fm")
+    run = fit(model, data, cfg, "fm", resume=(Path(f"{out}.resume"), resume_key) if resume_key else None)
     metrics = _final_metrics(model, data, run, t0)
     version = save_checkpoint(model.cpu(), out, extra={"metrics": metrics, "train": _cfg_dict(cfg)})
     metrics["model_version"] = version

@@ -52,6 +52,7 @@ class Server:
         self.emb = np.zeros((n, dim), np.float32)
         self.tier = np.full(n, 3, np.int8)
         self.age = np.full(n, np.nan)
+        self.count = np.zeros(n, np.int32)
         self.refresh_of = np.full(n, -1, np.int32)
         self.refresh = -1
         self.cursor = 0                      # index into self.starts of the next request to serve
@@ -66,7 +67,7 @@ class Server:
             r0, r1 = edges[j], edges[j + 1]
             f = self.reader.read(int(self.users[r0]), self.items[r0:r1], self.ts[r0] / 1e6)
             idx = self.rows[r0:r1]
-            self.emb[idx], self.tier[idx], self.age[idx] = f.embeddings, f.tiers, f.ages_s
+            self.emb[idx], self.tier[idx], self.age[idx], self.count[idx] = f.embeddings, f.tiers, f.ages_s, f.counts
             self.refresh_of[idx] = self.refresh
         served = max(stop - self.cursor, 0)
         self.cursor = max(stop, self.cursor)
@@ -82,6 +83,7 @@ class Server:
             "user_id": e.column("user_id"), "item_id": e.column("item_id"),
             "event_timestamp": e.column("event_timestamp"), "label": e.column("label"),
             "request_id": e.column("request_id"), "tier": pa.array(self.tier), "age_s": pa.array(self.age),
+            "n_behind": pa.array(self.count),
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(self.emb.ravel()), self.dim),
             "refresh": pa.array(self.refresh_of)})
 

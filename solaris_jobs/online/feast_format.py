@@ -132,6 +132,17 @@ def int32_values(values: np.ndarray) -> list[bytes]:
     return [head + _varint(int(v) & 0xFFFFFFFFFFFFFFFF) for v in np.asarray(values, np.int64)]
 
 
+def parse_int32(buf: bytes | None) -> int:
+    """An int32 from a serialized Value (``int32_values``); 0 for None, an empty or another kind of Value."""
+    if not buf:
+        return 0
+    tag, pos = _read_varint(buf, 0)
+    if tag != INT32_VAL << 3:
+        return 0
+    v, _ = _read_varint(buf, pos)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
 def int64_list(values) -> bytes:
     payload = b"".join(_varint(int(v) & 0xFFFFFFFFFFFFFFFF) for v in values)
     return _tagged(INT64_LIST, _tagged(1, payload) if len(values) else b"")

@@ -85,6 +85,8 @@ class Ranker:
             b["tier"] = tiers
             if self.vm.cfg.fm_age:
                 b["fm_age_h"] = f.ages_s / 3600.0
+            if self.vm.cfg.fm_count:
+                b["fm_count"] = f.counts.astype(np.float32)
         t1 = time.perf_counter()
         with torch.inference_mode():
             scores = torch.sigmoid(self.vm(batch_to_tensors(b))["logit"]).numpy()

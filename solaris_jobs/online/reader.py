@@ -1,6 +1,7 @@
 """The serving client: for one ranking request (a user, N candidate items, a clock) the FM features of every
 candidate, resolved per pair through the tiers: fresh pair embedding -> user aggregate -> neighbour embedding ->
-zeros. Returns an (N, D) float32 matrix and a tier per row (``solaris_jobs.core.contract.TIERS``).
+zeros. Returns an (N, D) float32 matrix, a tier per row (``solaris_jobs.core.contract.TIERS``), the age of what was
+served and how many FM embeddings stand behind it (1 for a pair, the aggregate's pairs, the neighbours averaged).
 
 - Redis: one round trip: the HMGET of the user's hash (both user views) and the N pair hashes, in Feast's layout,
   written to the socket as one buffer built with numpy and parsed by hiredis (redis-py's per-command Python would
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 T_PAIR, T_AGG, T_NB, T_NONE = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour", "none"))
 MISSING, STALE, OTHER_VERSION, FUTURE = 0, 1, 2, 3
 CODE_NAMES = {MISSING: "missing", STALE: "stale", OTHER_VERSION: "other_version", FUTURE: "future"}
+COUNT_OF = {"user_aggregates": "n_pairs", "neighbours": "n_neighbours"}     # the embeddings behind a fallback row
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Features:
     latency_ms: float
     failed_open: bool = False
     ages_s: np.ndarray | None = None    # (N,) float64: seconds from the served row's event time to the request; NaN for none
+    counts: np.ndarray | None = None    # (N,) int32: the embeddings behind the row (pair 1, the aggregate's n_pairs,
+                                        # the neighbour row's n_neighbours; 0 for none)
 
     def tier_names(self) -> list[str]:
         return [TIERS[t] for t in self.tiers]
@@ -133,9 +137,11 @@ class FeatureReader:
         self.misses = MissQueue(misses, self.metrics, miss_queue_size, miss_flush_s) if misses is not None else None
         self._suffix = cfg.project.encode() if cfg.kind == "redis" else b""     # Feast's Redis keys end so
 
-        def fields(v):
-            return [ff.field_name(v.name, EMBEDDING), ff.field_name(v.name, MODEL_VERSION), ff.ts_field(v.name)]
-        self._user_fields = fields(self.views["user_aggregates"]) + fields(self.views["neighbours"])
+        def fields(v, *more):
+            return ([ff.field_name(v.name, EMBEDDING), ff.field_name(v.name, MODEL_VERSION), ff.ts_field(v.name)]
+                    + [ff.field_name(v.name, m) for m in more])
+        self._user_fields = (fields(self.views["user_aggregates"], COUNT_OF["user_aggregates"])
+                             + fields(self.views["neighbours"], COUNT_OF["neighbours"]))
         self._pair_head = b"*5\r\n" + bulk(b"HMGET")
         self._pair_fields = fields(self.views["pair_embeddings"])
         self._pair_tail = b"".join(map(bulk, self._pair_fields))
@@ -170,7 +176,8 @@ class FeatureReader:
                                          timeout=self.budget_ms / 1000.0)
         return own.sqlite
 
-    # -- reads: each returns ([the aggregate's and the neighbour view's (embedding, version, event time s) or None],
+    # -- reads: each returns ([the aggregate's and the neighbour view's (embedding, version, event time s, count
+    #    as a serialized Value) or None],
     #    the pairs' (embeddings, versions, event times s) as two lists (None where absent) and a float array (NaN))
     def _read_redis(self, user: int, items: np.ndarray) -> list:
         ukey = ff.entity_key({"user_id": user}, self._suffix)
@@ -181,8 +188,8 @@ class FeatureReader:
             replies = self._read_single(ukey, pkeys)
         u, ts = replies[0], self._ts
         flat = list(chain.from_iterable(replies[1:]))             # [embedding, version, ts] per pair, flattened
-        users = [(u[0], u[1], ts[u[2]]) if u[0] is not None else None,
-                 (u[3], u[4], ts[u[5]]) if u[3] is not None else None]
+        users = [(u[0], u[1], ts[u[2]], u[3]) if u[0] is not None else None,
+                 (u[4], u[5], ts[u[6]], u[7]) if u[4] is not None else None]
         return users, (flat[0::3], flat[1::3], np.fromiter(map(ts.__getitem__, flat[2::3]), np.float64, len(pkeys)))
 
     def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
@@ -227,10 +234,12 @@ class FeatureReader:
         conn = self._sqlite_conn()
 
         def rows(view, keys: list[bytes]) -> dict:
+            names = (EMBEDDING, MODEL_VERSION, *([COUNT_OF[view.name]] if view.name in COUNT_OF else []))
             q = (f'SELECT entity_key, feature_name, value, event_ts FROM "{self.cfg.project}_{view.name}" '
-                 f'WHERE feature_name IN (?, ?) AND entity_key IN ({",".join("?" * len(keys))})')
+                 f'WHERE feature_name IN ({",".join("?" * len(names))}) '
+                 f'AND entity_key IN ({",".join("?" * len(keys))})')
             try:
-                found = conn.execute(q, (EMBEDDING, MODEL_VERSION, *keys)).fetchall()
+                found = conn.execute(q, (*names, *keys)).fetchall()
             except sqlite3.OperationalError as e:
                 if "no such table" in str(e):
                     return {}
@@ -241,18 +250,19 @@ class FeatureReader:
                 out[k]["_ts"] = ts
             return out
 
-        def triple(rec):
+        def triple(rec, count=None):
             if rec is None or EMBEDDING not in rec:
                 return None
-            return rec[EMBEDDING], rec.get(MODEL_VERSION), float(rec["_ts"])     # epoch seconds (Feast 0.67)
+            head = rec[EMBEDDING], rec.get(MODEL_VERSION), float(rec["_ts"])     # epoch seconds (Feast 0.67)
+            return head if count is None else (*head, rec.get(count))
 
         ukey = ff.entity_key({"user_id": user})
         pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),
                                                       "item_id": items})]
         pr = rows(self.views["pair_embeddings"], pkeys)
         pairs = [triple(pr.get(k)) or (None, None, math.nan) for k in pkeys]
-        return ([triple(rows(self.views["user_aggregates"], [ukey]).get(ukey)),
-                 triple(rows(self.views["neighbours"], [ukey]).get(ukey))],
+        return ([triple(rows(self.views[v], [ukey]).get(ukey), COUNT_OF[v]) for v in ("user_aggregates",
+                                                                                       "neighbours")],
                 ([p[0] for p in pairs], [p[1] for p in pairs], np.array([p[2] for p in pairs], np.float64)))
 
     def read(self, user_id: int, item_ids, now) -> Features:
@@ -265,6 +275,7 @@ class FeatureReader:
         emb = np.zeros((n, self.dim), np.float32)
         tiers = np.full(n, T_NONE, np.int64)
         ages = np.full(n, np.nan)
+        counts = np.zeros(n, np.int32)
         c = Counter()                  # this read's counts, merged into the metrics at the end (threads)
         c["requests"] += 1
         c["rows"] += n
@@ -277,10 +288,10 @@ class FeatureReader:
                 raw = (self._read_redis if self.cfg.kind == "redis" else self._read_sqlite)(int(user_id), items)
                 if (time.perf_counter() - t0) * 1000 > self.budget_ms:
                     c["over_budget"] += 1
-                self._resolve(raw, now_s, emb, tiers, ages, c)
+                self._resolve(raw, now_s, emb, tiers, ages, counts, c)
             except Exception as e:
                 failed = True
-                emb[:], tiers[:], ages[:] = 0.0, T_NONE, np.nan        # nothing half-resolved is served
+                emb[:], tiers[:], ages[:], counts[:] = 0.0, T_NONE, np.nan, 0     # nothing half-resolved is served
                 c["fail_open"] += 1
                 self._down_until = time.monotonic() + self.cooldown_s
                 self._reset()
@@ -297,7 +308,7 @@ class FeatureReader:
                     self.misses.put(int(user_id), missed, int(now_s * 1000))
         ms = (time.perf_counter() - t0) * 1000
         self.metrics.add(c, ms)
-        return Features(emb, tiers, ms, failed, ages)
+        return Features(emb, tiers, ms, failed, ages, counts)
 
     def _check(self, row, ttl_s: float, now_s: float):
         """The embedding bytes if the row is servable, else a code (missing, other version, future, stale)."""
@@ -311,7 +322,7 @@ class FeatureReader:
         return STALE if age > ttl_s else row[0]
 
     def _resolve(self, raw: tuple, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray,
-                 c: Counter) -> None:
+                 counts: np.ndarray, c: Counter) -> None:
         users, (embs, versions, event_s) = raw
         fallback = None
         for tier, row, ttl_s in ((T_AGG, users[0], self._ttl["user_aggregates"]),
@@ -320,7 +331,7 @@ class FeatureReader:
             if isinstance(r, bytes):
                 vec, ok = ff.parse_float_lists([r], self.dim)
                 if ok[0]:
-                    fallback = (tier, vec[0], now_s - row[2])
+                    fallback = (tier, vec[0], now_s - row[2], ff.parse_int32(row[3]))
                     break
                 c["bad_width"] += 1
             else:
@@ -344,10 +355,12 @@ class FeatureReader:
         emb[ok] = m[ok]
         tiers[ok] = T_PAIR
         ages[ok] = age[ok]
+        counts[ok] = 1
         if fallback is not None:
             emb[~ok] = fallback[1]
             tiers[~ok] = fallback[0]
             ages[~ok] = fallback[2]
+            counts[~ok] = fallback[3]
 
     def _reset(self) -> None:
         """Drops this thread's connections after a failure (a reply may be outstanding); its next read reconnects."""
