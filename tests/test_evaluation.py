@@ -218,6 +218,9 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
     assert len(served) == rec["rows"] > 1000 and rec["serving"]["counts"].get("fail_open", 0) == 0
     got = served[served.tier < 3]
     assert len(got) > 0.3 * len(served)
+    # Behind each served row: one pair, or the FM embeddings a fallback averages; nothing behind tier none.
+    assert (served.n_behind[served.tier == 0] == 1).all() and (served.n_behind[served.tier == 3] == 0).all()
+    assert (served.n_behind[served.tier.isin([1, 2])] >= 1).all() and served.n_behind[served.tier == 1].max() > 1
     # Every served row is at least 0 s old and was made visible before the request.
     src = got.event_timestamp - pd.to_timedelta(got.age_s, unit="s")
     assert (got.age_s >= 0).all()
@@ -365,6 +368,16 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
     pd.testing.assert_frame_equal(before[0], before[1])
     test_a, test_b = (x["headline"]["test"]["variants"] for x in (s_a, s_b))
     assert all(test_a[v]["bce"] != test_b[v]["bce"] for v in test_a)
+    # Each tier's value on its own rows: on validation (what chooses the tiers) untouched by the test labels; on
+    # test it moves with them. Every labelled served row of the split is in exactly one tier's rows.
+    assert s_a["tier_value"]["validation"] == s_b["tier_value"]["validation"]
+    assert s_a["tier_value"]["test"] != s_b["tier_value"]["test"]
+    tv = s_a["tier_value"]["test"]
+    assert set(tv) == {"pair", "user_aggregate", "neighbour"} and tv["pair"]["rows"] > 0
+    assert all(v["ci"][0] <= v["value"] <= v["ci"][1] and v["carries_value"] == (v["ci"][0] > 0)
+               for v in tv.values() if v["rows"])
+    shares = s_a["headline"]["per_tier"]
+    assert all(tv[t]["rows"] == shares[t]["rows"] for t in tv)
     # What the report carries so that anyone can check it: the seed's own data draw and the commit it ran, the
     # inputs every ranker took, the label delay, and the criterion across seeds (not decided below 5 seeds).
     assert s_a["data_seed"] == TINY.synth.seed and s_a["data"]["config"]["seed"] == TINY.synth.seed
@@ -381,7 +394,8 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
     assert hr["share_above_vm"]["fm"] == pytest.approx(fm_share) and hr["bce"]["fm"] == pytest.approx(
         s_a["headline"]["test"]["variants"]["fm"]["bce"])
     md = (out / "report.md").read_text()
-    assert "## Targets" in md and "VM + SOLARIS, all tiers" in md
+    assert "## Targets" in md and "VM + SOLARIS, all tiers" in md and "Value of each tier on its own rows" in md
+    assert "Headline criterion over seeds" in md
     for png in ("tiers_over_time.png", "coverage_vs_budget.png", "tr_vs_coverage.png", "tr_per_variant.png",
                 "coverage_vs_cadence.png"):
         assert (out / png).stat().st_size > 5_000 and f"]({png})" in md

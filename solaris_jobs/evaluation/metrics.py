@@ -125,13 +125,13 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
     # dBCE(X) = L_VM - L_X: a difference, defined whatever the FM's gap (nothing is divided).
     for k in losses:
         out["variants"][k].update(dbce=point[baseline] - point[k], dbce_ci=interval(means[baseline] - means[k]))
-    out["dbce_quantiles"] = {k: _quantiles(means[baseline] - means[k]) for k in losses}
+    out["dbce_quantiles"] = {k: quantiles(means[baseline] - means[k]) for k in losses}
     if kd and solaris:
         stat = (means[baseline] - means[solaris]) - factor * (means[baseline] - means[kd])
         out["dbce_criterion"] = {
             "statistic": f"dBCE({solaris}) - {factor} x dBCE({kd})",
             "value": (point[baseline] - point[solaris]) - factor * (point[baseline] - point[kd]),
-            "ci": interval(stat), "quantiles": _quantiles(stat)}
+            "ci": interval(stat), "quantiles": quantiles(stat)}
     out["criterion"] = None
     if kd and solaris and quoted:
         diff = trs[solaris] - factor * trs[kd]
@@ -145,7 +145,7 @@ def summarize_losses(losses: dict[str, np.ndarray], users: np.ndarray, labels: n
     return out
 
 
-def _quantiles(samples: np.ndarray, n: int = 101) -> list[float]:
+def quantiles(samples: np.ndarray, n: int = 101) -> list[float]:
     """A seed's resample distribution kept compactly in its report: ``n`` evenly spaced quantiles, which
     ``across_seeds`` draws from as equally likely resamples (NaNs dropped)."""
     s = np.asarray(samples, np.float64)

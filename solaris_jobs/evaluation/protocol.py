@@ -173,6 +173,7 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
         if done.get("key") == key:
             logger.info("reusing the models in %s", out)
             return done["metrics"]
+    out.mkdir(parents=True, exist_ok=True)
     data = training.load_dataset(str(root), cfg.history_len, max_train_rows=cfg.max_train_rows, seed=seed,
                                  cuts=(protocol.fm_valid_from, protocol.t1), label_delay_minutes=label_delay_minutes)
     # The trainers' "test" split is everything from t1 on: reported by them, never used here.

@@ -11,6 +11,7 @@ import numpy as np
 
 from solaris_jobs.core.contract import TIERS
 from solaris_jobs.evaluation.metrics import transfers
+from solaris_jobs.evaluation.targets import MIN_SEEDS
 
 logger = logging.getLogger(__name__)
 
@@ -225,10 +226,27 @@ def _md_targets(report: dict) -> list[str]:
         L += ["", f"Across seeds {report['seeds']}: " + "; ".join(
             f"{name} mean {_f(np.mean(xs), 3)} (min {_f(min(xs), 3)}, max {_f(max(xs), 3)})"
             for name, xs in _across_seeds(report["summary"]) if xs) + "."]
+    L += _md_across_seeds(report["targets"].get("across_seeds"))
     if report.get("merged_from"):
         L += ["", "Merged (`solaris evaluate-merge`) from " + "; ".join(
             f"{m['path']} (seeds {m['seeds']}{', sweep ' + str(m['sweep']) if m['sweep'] else ''})"
             for m in report["merged_from"]) + "."]
+    return L
+
+
+def _md_across_seeds(a: dict | None) -> list[str]:
+    """The headline criterion across seeds, every variant's dBCE and each tier's value, with their intervals."""
+    if not a:
+        return []
+    c = a["criterion"]
+    met = {None: f"not decided (fewer than {MIN_SEEDS} seeds)", True: "**met**", False: "**not met**"}[c["met"]]
+    L = ["", f"Headline criterion over seeds {a['seeds']}: {c['statistic']} = {_f(c['value'], 5)}"
+             f"{_ci(c['ci'], 5)}: {met} (interval: {c['method']}).", "",
+         "| variant | dBCE = BCE(VM) - BCE(X) [95%, seeds and users] |", "|---|---|"]
+    L += [f"| {LABELS.get(n, n)} | {_f(d['value'], 5)}{_ci(d['ci'], 5)} |" for n, d in a["dbce"].items()]
+    if a.get("tier_value"):
+        L += ["", "Value of each tier on its own test rows across seeds: " + "; ".join(
+            f"{t} {_f(v['value'], 5)}{_ci(v['ci'], 5)}" for t, v in a["tier_value"].items()) + "."]
     return L
 
 
@@ -250,7 +268,23 @@ def _md_seed(r: dict) -> list[str]:
     c = te.get("criterion")
     if c:
         L += ["", _verdict(c, te["variants"].get("vm_kd"))]
-    return L + _md_headroom(h) + _md_coverage(r) + _md_tier_shares(h) + _md_per_tier_and_segment(h)
+    return (L + _md_headroom(h) + _md_tier_value(r) + _md_coverage(r) + _md_tier_shares(h)
+            + _md_per_tier_and_segment(h))
+
+
+def _md_tier_value(r: dict) -> list[str]:
+    """Each fallback tier's value on its own rows (validation, then test): what its embedding adds beyond its
+    flag."""
+    tv = r.get("tier_value")
+    if not tv or not any(tv.values()):
+        return []
+    L = ["", "Value of each tier on its own rows: BCE(tier flags, codes zeroed) - BCE(all tiers), [95%] over users "
+             "(above 0: the tier's embeddings carry value):", "", "| tier | validation | test |", "|---|---|---|"]
+    for t in TIERS[:-1]:
+        cell = lambda part: (f"{_f(part[t]['value'], 5)}{_ci(part[t]['ci'], 5)} ({part[t]['rows']} rows)"
+                             if part and part.get(t) and part[t]["rows"] else "-")
+        L.append(f"| {t} | {cell(tv.get('validation'))} | {cell(tv.get('test'))} |")
+    return L
 
 
 def _md_headroom(h: dict) -> list[str]:

@@ -65,6 +65,39 @@ def evaluate_test(ctx: SeedContext, tab, fits: dict, served: pa.Table, every: pd
     return out
 
 
+def tier_values(tab, fits: dict, split: int, n_boot: int, seed: int, with_: str = "solaris",
+                without: str = "tiers_only") -> dict | None:
+    """Each fallback's worth beyond its flag: per tier, on the rows ``split`` (1 validation, 2 test) served from it,
+    ``BCE(without) - BCE(with_)``: the all-tiers VM against the equal-input VM whose served codes are zeroed (tier
+    flags, ages and counts kept), with a paired bootstrap over users. A tier carries value where the interval's
+    lower bound is above 0. None without both variants.
+
+    Returns:
+        {tier: {"value", "ci", "rows", "users", "carries_value", "quantiles"}} for every tier that serves an
+        embedding (none excluded).
+    """
+    if with_ not in fits or without not in fits:
+        return None
+    key = {1: "valid_prob", 2: "test_prob"}[split]
+    rows = tab.split == split
+    known = tab.labels[rows] >= 0            # the last label_delay before t2 has no label yet
+    y, users, tier = tab.labels[rows][known], tab.users[rows][known], tab.served_tier[rows][known]
+    gain = metrics.row_bce(y, fits[without][key][known]) - metrics.row_bce(y, fits[with_][key][known])
+    boot = metrics.PairedBootstrap(users, n_boot, seed=seed)
+    out = {}
+    for k, name in enumerate(TIERS[:-1]):
+        m = tier == k
+        if not m.any():
+            out[name] = {"value": None, "ci": None, "rows": 0, "users": 0, "carries_value": False, "quantiles": []}
+            continue
+        samples = boot.mean(gain, m)
+        ci = metrics.interval(samples)
+        out[name] = {"value": float(gain[m].mean()), "ci": list(ci), "rows": int(m.sum()),
+                     "users": int(len(np.unique(users[m]))), "carries_value": bool(ci[0] > 0),
+                     "quantiles": metrics.quantiles(samples)}
+    return out
+
+
 def headroom(root, tab, y: np.ndarray, losses: dict) -> dict | None:
     """The achievable test BCE (that of the probabilities the labels were drawn from: synthetic data only, None
     elsewhere) and the share of the headroom each model reaches: above the VM, ``(BCE(VM) - BCE(X)) / (BCE(VM) -

@@ -14,7 +14,7 @@ from solaris_jobs.evaluation import variants
 from solaris_jobs.evaluation.config import ttls
 from solaris_jobs.evaluation.protocol import train_models
 from solaris_jobs.evaluation.replays import BaseReplay, SeedContext, replay_summary, run_replay
-from solaris_jobs.evaluation.scoring import evaluate_test, kd_grid_check, secondary
+from solaris_jobs.evaluation.scoring import evaluate_test, kd_grid_check, secondary, tier_values
 from solaris_jobs.evaluation.seed_curves import seed_curves
 from solaris_jobs.evaluation.windows import fm_per_row
 
@@ -35,8 +35,10 @@ def run_seed(ctx: SeedContext, with_curves: bool, names=None) -> dict:
     vm_wall = time.perf_counter() - t0
     every = base.plan.every
     res = {"seed": ctx.seed, "models": model_metrics, "headline": evaluate_test(ctx, tab, fits, served, every),
+           "tier_value": {"validation": tier_values(tab, fits, 1, cfg.n_boot, ctx.seed),
+                          "test": tier_values(tab, fits, 2, cfg.n_boot, ctx.seed)},
            "fm_per_row": fm_per_row(base.record, served, ctx.protocol, dout),
-           "variants": {k: {kk: vv for kk, vv in v.items() if kk not in ("test_prob", "model")}
+           "variants": {k: {kk: vv for kk, vv in v.items() if kk not in ("valid_prob", "test_prob", "model")}
                         for k, v in fits.items()},
            "replay": replay_summary(base.record), "timings": {"replay_s": round(base.wall_s, 1),
                                                                 "vm_variants_s": round(vm_wall, 1)}}

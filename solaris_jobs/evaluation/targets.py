@@ -22,7 +22,9 @@ def seed_summary(r: dict) -> dict:
             "criterion": t["criterion"], "dbce": {k: x.get("dbce") for k, x in v.items()},
             "dbce_quantiles": t.get("dbce_quantiles"), "dbce_criterion": t.get("dbce_criterion"), "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
                                                       ("shares", "any_tier", "ceiling", "pair_of_ceiling")},
-            "fm_per_row": r["fm_per_row"]["per_row"], "fm_total_per_row": r["fm_per_row"].get("total_per_row")}
+            "fm_per_row": r["fm_per_row"]["per_row"], "fm_total_per_row": r["fm_per_row"].get("total_per_row"),
+            "tier_value": {k: {"value": x["value"], "quantiles": x["quantiles"]}
+                           for k, x in ((r.get("tier_value") or {}).get("test") or {}).items()}}
 
 
 def sweep_point(share: float, seed_result: dict, positive_rate: float) -> dict:
@@ -55,8 +57,9 @@ def check_targets(summaries: list[dict]) -> dict:
 
 
 def across_seed_summary(summaries: list[dict]) -> dict | None:
-    """The headline criterion ``dBCE(solaris) - 1.5 x dBCE(vm_kd)`` and every variant's dBCE = BCE(VM) - BCE(X),
-    each averaged over the seeds with an interval that resamples seeds and users (``metrics.across_seeds``).
+    """The headline criterion ``dBCE(solaris) - 1.5 x dBCE(vm_kd)``, every variant's dBCE = BCE(VM) - BCE(X) and
+    each fallback tier's value on its own rows (``scoring.tier_values``), each averaged over the seeds with an
+    interval that resamples seeds and users (``metrics.across_seeds``).
     ``criterion.met``: its lower bound above 0, decided only over at least ``MIN_SEEDS`` seeds (None below).
     None when a seed's summary carries no resamples (a report written before #40)."""
     if not summaries or any(not s.get("dbce_criterion") or not s.get("dbce_quantiles") for s in summaries):
@@ -70,7 +73,14 @@ def across_seed_summary(summaries: list[dict]) -> dict | None:
     for k in names:
         r = metrics.across_seeds([s["dbce_quantiles"][k] for s in summaries], [s["dbce"][k] for s in summaries])
         dbce[k] = {"value": r["value"], "ci": r["ci"]}
-    return {"criterion": crit, "dbce": dbce, "seeds": [s["seed"] for s in summaries]}
+    tiers = [k for k in summaries[0].get("tier_value") or {}
+             if all((s.get("tier_value") or {}).get(k, {}).get("quantiles") for s in summaries)]
+    value = {}
+    for k in tiers:
+        r = metrics.across_seeds([s["tier_value"][k]["quantiles"] for s in summaries],
+                                 [s["tier_value"][k]["value"] for s in summaries])
+        value[k] = {"value": r["value"], "ci": r["ci"], "carries_value": bool(r["ci"][0] > 0)}
+    return {"criterion": crit, "dbce": dbce, "tier_value": value, "seeds": [s["seed"] for s in summaries]}
 
 
 def _kd_transfers(s: dict) -> bool:

@@ -264,8 +264,8 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
             grid, the seed and the settings) and reused instead of training again.
 
     Returns:
-        {variant: {"params", "valid_bce", "grid": [(params, valid BCE)], "test_prob" (test rows), "model",
-        "seconds"}}.
+        {variant: {"params", "valid_bce", "grid": [(params, valid BCE)], "valid_prob" (validation rows),
+        "test_prob" (test rows), "model", "seconds"}}.
     """
     import hashlib
 
@@ -310,9 +310,10 @@ def train_variants(tab: Table, seed: int, epochs: int = 6, batch_size: int = 204
                 path.parent.mkdir(parents=True, exist_ok=True)
                 save_checkpoint(model, path, extra={"params": params, "valid_bce": valid, "best_epoch": epoch,
                                                     "grid": tried})
-        logit = predict(model, arr.subset(tab.split == 2), batch_size=8192)["logit"].astype(np.float64)
-        out[name] = {"params": params, "valid_bce": valid, "best_epoch": epoch, "grid": tried,
-                     "test_prob": 1.0 / (1.0 + np.exp(-logit)), "model": model,
+        prob = {k: 1.0 / (1.0 + np.exp(-predict(model, arr.subset(tab.split == s), batch_size=8192)["logit"]
+                                        .astype(np.float64))) for k, s in (("valid_prob", 1), ("test_prob", 2))}
+        out[name] = {"params": params, "valid_bce": valid, "best_epoch": epoch, "grid": tried, **prob,
+                     "model": model,
                      "seconds": round(time.perf_counter() - t0, 1)}
         logger.info("variant %s (seed %d): valid BCE %.5f with %s (%d grid points, %.0fs)", name, seed, valid,
                     json.dumps(params), len(grid), out[name]["seconds"])

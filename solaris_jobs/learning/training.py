@@ -242,6 +242,7 @@ def fit(model, data: Dataset, cfg: TrainConfig, name: str, resume: tuple[Path, s
             bad += 1
         if resume is not None:
             tmp = Path(f"{resume[0]}.tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"key": resume[1], "model": model.state_dict(), "opt": opt.state_dict(),
                         "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(), "best": best,
                         "best_state": best_state, "history": history, "bad": bad}, tmp)
