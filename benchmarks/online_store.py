@@ -71,7 +71,7 @@ def feast_store(yaml_path: Path, offline: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     fs = FeatureStore(repo_path=str(ROOT / "feature_repo"), fs_yaml_file=yaml_path)
-    fs.apply([mod.user, mod.item, mod.pair_embeddings, mod.user_aggregates, mod.neighbours, mod.solaris_service])
+    fs.apply(mod.OBJECTS)
     return fs
 
 

@@ -234,7 +234,7 @@ def main() -> None:
         spec.loader.exec_module(mod)
         from feast import FeatureStore
         fs = FeatureStore(repo_path=str(ROOT / "feature_repo"), fs_yaml_file=cfg.yaml_path)
-        fs.apply([mod.user, mod.item, mod.pair_embeddings, mod.user_aggregates, mod.neighbours, mod.solaris_service])
+        fs.apply(mod.OBJECTS)
         s = stock(fs, truth, args.stock_seconds)
         print(f"stock get_online_features, 1 process: {s['lookups_per_s'] / 1e3:.1f}K lookups/s, p50 {s['p50_ms']} "
               f"ms, p99 {s['p99_ms']} ms", flush=True)

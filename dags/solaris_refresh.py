@@ -51,8 +51,9 @@ def _asset(name: str) -> Asset:
     return Asset(name=f"solaris_{name}", uri=f"solaris://offline/{name}", group="solaris")
 
 
-ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "neighbours", "reports")}
-ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v1", group="solaris")
+ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "user_states", "neighbours",
+                                  "reports")}
+ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v2", group="solaris")
 
 OWNER = os.environ.get("SOLARIS_OWNER") or "solaris"      # as settings.owner(): Feast shows the same
 RERUN = ("\n\n**Rerun** the interval once fixed: clear this task (and its downstream) in the UI, or "
@@ -91,7 +92,7 @@ DOCS = {
                   "`neighbours`.\n\n**If it fails**: it needs this interval's `user_aggregates`; driver memory "
                   "holds the FAISS index (1M users x 128 floats = 512 MB): raise `SOLARIS_SPARK_DRIVER_MEMORY`."
                   + RERUN.format(cmd="neighbours"),
-    "materialize": "Writes the interval's three views into the online store (Feast layout, per-view expiry). "
+    "materialize": "Writes the interval's four views into the online store (Feast layout, per-view expiry). "
                    "Fails the task on any store error; only complete intervals are recorded.\n\n**If it "
                    "fails**: a Spark step before it failed (fix that one first), or the store refused the writes "
                    "(`FEAST_FS_YAML_FILE_PATH`, `SOLARIS_REDIS`). To rerun: clear it (it rewrites the interval), or "
@@ -206,7 +207,7 @@ with DAG(
             ("select", "select_candidates.py", [ASSETS["selection"]], {}),
             ("embed", "fm_inference.py", [ASSETS["pair_embeddings"]], fm_queue),
             ("aggregate", "user_aggregates.py", [ASSETS["user_aggregates"]], {}),
-            ("neighbours", "neighbours.py", [ASSETS["neighbours"]], {})):
+            ("neighbours", "neighbours.py", [ASSETS["user_states"], ASSETS["neighbours"]], {})):
         if SPARK_CONN:
             spark_tasks.append(_spark_submit(step, script, outlets=outlets, **extra))
         else:

@@ -1,6 +1,6 @@
 """SOLARIS feature definitions for Feast: entities ``user`` and ``item``, one feature view per serving tier
 (pair embeddings, user aggregates, neighbours) over the pipeline's offline outputs, and the versioned
-FeatureService ``solaris_v1``.
+FeatureService ``solaris_v2``.
 
 Names, fields and TTLs come from ``solaris_jobs.online.views`` (shared with the materializer and the serving
 client). Sources read ``<offline>/<view>/`` (``solaris_jobs.core.settings.feast_offline_root()``: the configured
@@ -9,6 +9,7 @@ offline store, else the demo's).
 from feast import Entity, FeatureService, FeatureView, Field, FileSource, ValueType
 from feast.types import Array, Float32, Int32, Int64, String
 
+from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.settings import feast_offline_root, owner
 from solaris_jobs.online.views import FEATURE_SERVICE, VERSION_POLICY, duration, views
 
@@ -43,11 +44,15 @@ def _duration(t) -> str:
 
 
 _views = [_view(v) for v in views().values()]
-pair_embeddings, user_aggregates, neighbours = _views
+pair_embeddings, user_aggregates, user_states, neighbours = _views
 solaris_service = FeatureService(
     name=FEATURE_SERVICE, features=_views, owner=OWNER,
     description="Everything the ranker reads from SOLARIS, all tiers: the serving client (FeatureReader) takes the "
-                "pair embedding when fresh, else the user aggregate, else the neighbour embedding, else none.",
-    tags={**TAGS, "tiers": "pair > user_aggregate > neighbour > none",
+                "pair embedding when fresh, else the user aggregate, else the user state, else the neighbour "
+                "embedding, else none.",
+    tags={**TAGS, "tiers": " > ".join(TIERS),
           "ttls": ", ".join(f"{v.name} {_duration(v.ttl)}" for v in views().values()),
           "model_version_policy": VERSION_POLICY})
+
+# Everything `feast apply` registers from this file, for the SDK's ``FeatureStore.apply``.
+OBJECTS = [user, item, *_views, solaris_service]

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from models import load_checkpoint
+from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.settings import Settings
 from tests.support import ML_CFG, ML_END, assert_same_outputs, feast_yaml, RedisServer
 
@@ -82,7 +83,8 @@ def test_dag_integrity(airflow_env, monkeypatch):
         assert {t.owner for t in _load_dag(DAGS / name).tasks} == {"ml-platform@example.com"}, name
         assert all("**If it fails**" in t.doc_md for t in _load_dag(DAGS / name).tasks if t.task_id != "prepare")
     assert {o.name for t in dag.tasks for o in t.outlets} >= {
-        "solaris_selection", "solaris_pair_embeddings", "solaris_user_aggregates", "solaris_neighbours",
+        "solaris_selection", "solaris_pair_embeddings", "solaris_user_aggregates", "solaris_user_states",
+        "solaris_neighbours",
         "solaris_online_store"}
     # Parsing imports none of the heavy libraries (a fresh interpreter, as the DAG processor has), and with a
     # Spark connection the Spark steps become SparkSubmitOperators (the FM one on the configured queue).
@@ -384,7 +386,7 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     _, meta = load_checkpoint(current / "vm_transfer.pt", kind="vm")
     assert meta["config"]["fm_age"] and meta["extra"]["trained_on"] == "served features"
     served = pd.read_parquet(current / "served" / "served.parquet")
-    assert len(served) and (served.tier < 3).any() and 0 < meta["extra"]["tier_shares"]["none"] < 1
+    assert len(served) and (served.tier < TIERS.index("none")).any() and 0 < meta["extra"]["tier_shares"]["none"] < 1
     new = pd.read_parquet(offline / "pair_embeddings").model_version.unique().tolist()
     assert len(old) == len(new) == 1 and old != new
     assert pd.read_parquet(offline / "user_aggregates").model_version.unique().tolist() == new
@@ -582,20 +584,21 @@ def test_operator_screens_in_a_real_browser(live_refresh, tmp_path):
     # Feast's own CLI first (`feast apply`, `feature-views list`, `registry-dump`): every entity, view and the
     # FeatureService carry a description and the deployment's owner; each view's tags give its tier, its TTL as
     # configured (an override shows) and the model-version policy.
-    ttls = {"pair_embeddings": "90min", "user_aggregates": "24h", "neighbours": "24h"}
+    ttls = {"pair_embeddings": "90min", "user_aggregates": "24h", "user_states": "24h", "neighbours": "24h"}
     repo, feast_env, feast = feast_repo(tmp_path / "feast", {"SOLARIS_OWNER": "ml-platform@example.com",
                                                              "SOLARIS_TTL_PAIR_EMBEDDINGS": "90min"})
     listed, registry = feast("feature-views", "list").stdout, json.loads(feast("registry-dump").stdout)
     views = {v["spec"]["name"]: v["spec"] for v in registry["featureViews"]}
     assert set(views) == set(ttls)
-    for name, tier in (("pair_embeddings", "pair"), ("user_aggregates", "user_aggregate"), ("neighbours", "neighbour")):
+    for name, tier in (("pair_embeddings", "pair"), ("user_aggregates", "user_aggregate"),
+                       ("user_states", "user_state"), ("neighbours", "neighbour")):
         spec = views[name]
         assert name in listed and spec["owner"] == "ml-platform@example.com" and f"TTL {ttls[name]}" in spec[
             "description"]
         assert spec["tags"]["tier"] == tier and spec["tags"]["ttl"] == ttls[name], spec["tags"]
         assert "pinned version" in spec["tags"]["model_version_policy"]
     [service] = [f["spec"] for f in registry["featureServices"]]
-    assert service["name"] == "solaris_v1" and service["owner"] == "ml-platform@example.com"
+    assert service["name"] == "solaris_v2" and service["owner"] == "ml-platform@example.com"
     assert "pair_embeddings 90min" in service["tags"]["ttls"] and service["description"]
     entities = {e["spec"]["name"]: e["spec"] for e in registry["entities"]}
     assert all(entities[e]["owner"] == "ml-platform@example.com" and entities[e]["description"]

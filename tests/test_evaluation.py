@@ -11,12 +11,15 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+from solaris_jobs.core.contract import TIERS
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation import metrics
 from solaris_jobs.evaluation.config import EvalConfig, refresh_settings, ttls
 from solaris_jobs.evaluation.protocol import ModelsConfig
 from solaris_jobs.evaluation.run import evaluate
 from solaris_jobs.evaluation.targets import check_targets, sweep_point
+
+NONE = TIERS.index("none")
 
 T0 = pd.Timestamp("2026-01-01T00:00:00Z")
 
@@ -85,8 +88,8 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     assert P.t1 < P.valid_from < P.t2 and P.fm_valid_from < P.t1
     # Coverage: rows per tier as served, ages per tier.
     from solaris_jobs.online.coverage import tier_summary
-    t = tier_summary(np.array([0, 0, 1, 3]), np.array([3600.0, 7200.0, 1800.0, np.nan]))
-    assert t["coverage_counts"] == {"pair": 2, "user_aggregate": 1, "neighbour": 0, "none": 1}
+    t = tier_summary(np.array([0, 0, 1, NONE]), np.array([3600.0, 7200.0, 1800.0, np.nan]))
+    assert t["coverage_counts"] == {"pair": 2, "user_aggregate": 1, "user_state": 0, "neighbour": 0, "none": 1}
     assert t["coverage"]["pair"] == 0.5 and t["age_hours"]["neighbour"] is None
     assert t["age_hours"]["pair"]["mean_h"] == 1.5 and t["age_hours"]["user_aggregate"]["p50_h"] == 0.5
     # The pair ceiling: a row counts if its pair was in the log before the last refresh (hourly from 0).
@@ -216,11 +219,11 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
     assert min(visible) == t1 and all(v - c >= pd.Timedelta("10min") for c, v in visible.items())
     served = replay.read_served(out / "seed0" / "replay-b1").to_pandas()
     assert len(served) == rec["rows"] > 1000 and rec["serving"]["counts"].get("fail_open", 0) == 0
-    got = served[served.tier < 3]
+    got = served[served.tier < NONE]
     assert len(got) > 0.3 * len(served)
     # Behind each served row: one pair, or the FM embeddings a fallback averages; nothing behind tier none.
-    assert (served.n_behind[served.tier == 0] == 1).all() and (served.n_behind[served.tier == 3] == 0).all()
-    assert (served.n_behind[served.tier.isin([1, 2])] >= 1).all() and served.n_behind[served.tier == 1].max() > 1
+    assert (served.n_behind[served.tier == 0] == 1).all() and (served.n_behind[served.tier == NONE] == 0).all()
+    assert (served.n_behind[served.tier.isin([1, 2, 3])] >= 1).all() and served.n_behind[served.tier == 1].max() > 1
     # Every served row is at least 0 s old and was made visible before the request.
     src = got.event_timestamp - pd.to_timedelta(got.age_s, unit="s")
     assert (got.age_s >= 0).all()
@@ -235,7 +238,7 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
         want = np.stack(emb.loc[list(zip(rows.user_id, rows.item_id))].to_numpy())
         np.testing.assert_array_equal(np.stack(rows.embedding.to_numpy()), want)
     _served_by_latest_visible_refresh(served, rec)
-    assert served.event_timestamp.min() >= t1 and (served.refresh[served.tier < 3] >= 0).all()
+    assert served.event_timestamp.min() >= t1 and (served.refresh[served.tier < NONE] >= 0).all()
     assert report["per_seed"][0]["headline"]["coverage"]["test"]["rows"] == int((served.event_timestamp >= t2).sum())
     # The fast-cadence replay (its own, switching from the hourly refreshes at its window's start) obeys the same.
     fc = seed["curves"]["fast_cadence"]
@@ -259,7 +262,7 @@ def _served_by_latest_visible_refresh(served: pd.DataFrame, rec: dict) -> None:
     ns = lambda col: np.array([t.value for t in col])
     latest = np.searchsorted(vis, ns(served.event_timestamp), side="right") - 1   # -1: before the first was visible
     np.testing.assert_array_equal(served.refresh.to_numpy(), latest)
-    has = (served.tier.to_numpy() < 3) & (latest >= 0)
+    has = (served.tier.to_numpy() < NONE) & (latest >= 0)
     src_all = (served.event_timestamp - pd.to_timedelta(served.age_s, unit="s")).dt.round("s")[has]
     own = np.array([cut[r].value for r in served.refresh.to_numpy()[has]])
     assert has.sum() > 0 and (ns(src_all) <= own).all()
@@ -284,14 +287,14 @@ def test_vm_features_come_from_the_same_reader_and_clock_as_serving(tiny_eval):
                   on=["user_id", "item_id", "event_timestamp"], how="left", suffixes=("", "_served"))
     before = m.event_timestamp < P.t1
     # Rows before t1 were served nothing (tier none); from t1 on, every row carries exactly what the reader served.
-    assert (m.tier[before] == 3).all() and m.tier_served[before].isna().all()
+    assert (m.tier[before] == NONE).all() and m.tier_served[before].isna().all()
     assert (m.tier[~before] == m.tier_served[~before]).all()
     side = report["per_seed"][0]["headline"]["tier_shares_side_by_side"]
     test_shares = side["test rows [t2, t3)"]
     assert test_shares["none"] < 1.0 and side["validation rows [valid_from, t2)"]["none"] < 1.0
     # The training rows hold tier none for [t0, t1) and served tiers for [t1, valid_from): both are in the share.
     train = tab.split == 0
-    assert 0 < (tab.served_tier[train] != 3).mean() < 1
+    assert 0 < (tab.served_tier[train] != NONE).mean() < 1
 
 
 def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, spark, tmp_path):
@@ -373,7 +376,8 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
     assert s_a["tier_value"]["validation"] == s_b["tier_value"]["validation"]
     assert s_a["tier_value"]["test"] != s_b["tier_value"]["test"]
     tv = s_a["tier_value"]["test"]
-    assert set(tv) == {"pair", "user_aggregate", "neighbour"} and tv["pair"]["rows"] > 0
+    assert set(tv) == {"pair", "user_aggregate", "user_state", "neighbour"} and tv["pair"]["rows"] > 0
+    assert tv["user_state"]["rows"] > 0
     assert all(v["ci"][0] <= v["value"] <= v["ci"][1] and v["carries_value"] == (v["ci"][0] > 0)
                for v in tv.values() if v["rows"])
     shares = s_a["headline"]["per_tier"]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from solaris_jobs.core.contract import RECENCY_INPUTS, RECENCY_MINUTES
+from solaris_jobs.core.contract import RECENCY_INPUTS, RECENCY_MINUTES, TIER_NONE
 from models import (AEConfig, Autoencoder, FMConfig, FoundationModel, TIERS, VMConfig, VerticalModel,
                     batch_to_tensors, load_checkpoint, save_checkpoint)
 
@@ -48,10 +48,14 @@ def test_forward_shapes_and_no_nan_for_empty_history():
     ae = Autoencoder(AEConfig(d_in=24, d_code=8, d_hidden=16))
     code, rec = ae(out["h"])
     assert code.shape == (5, 8) and rec.shape == (5, 24)
+    with pytest.raises(ValueError, match="no user coder"):
+        ae.encode_user(u)
+    ae = Autoencoder(AEConfig(d_in=24, d_code=8, d_hidden=16, d_user=32))     # the user coder: user embedding -> D
+    assert ae.encode_user(u).shape == (5, 8) and torch.isfinite(ae.user.loss(u))
     vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, fm_dim=8))
     assert vm(b)["logit"].shape == (5,) and torch.isfinite(vm(b)["logit"]).all()  # no fm_emb: zeros, tier none
     with_emb = vm({**b, "fm_emb": code.detach(), "tier": torch.zeros(5, dtype=torch.long)})["logit"]
-    assert with_emb.shape == (5,) and len(TIERS) == 4
+    assert with_emb.shape == (5,) and len(TIERS) == 5
 
 
 def test_each_tier_has_its_own_slot_and_the_count_behind_it_is_an_input():
@@ -63,11 +67,11 @@ def test_each_tier_has_its_own_slot_and_the_count_behind_it_is_an_input():
     vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, fm_dim=3, tier_slots=True, fm_count=True))
     vm.eval()
     emb = torch.randn(5, 3)
-    tier = torch.tensor([0, 0, 1, 1, 3])
+    tier = torch.tensor([0, 0, 1, 1, TIER_NONE])
     count = torch.tensor([1.0, 1.0, 7.0, 7.0, 0.0])
     base = {**b, "fm_emb": emb, "tier": tier, "fm_count": count}
     first = vm.mlp[0]
-    start = first.in_features - (3 * 3 + len(TIERS) + 1)       # the FM inputs come last: slots, one-hot, count
+    start = first.in_features - ((len(TIERS) - 1) * 3 + len(TIERS) + 1)       # the FM inputs come last: slots, one-hot, count
     with torch.no_grad():
         first.weight[:, start:start + 3] = 0.0                    # the pair slot
     zeroed = vm({**base, "fm_emb": torch.zeros(5, 3)})["logit"]

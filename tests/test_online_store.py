@@ -115,13 +115,13 @@ def _feast(yaml_path: Path, offline: str, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     fs = FeatureStore(repo_path=str(REPO), fs_yaml_file=yaml_path)
-    fs.apply([mod.user, mod.item, mod.pair_embeddings, mod.user_aggregates, mod.neighbours, mod.solaris_service])
+    fs.apply(mod.OBJECTS)
     return fs
 
 
 def _offline(job):
     return {name: layout.read_table(job.offline, name, ML_END).to_pandas()
-            for name in ("pair_embeddings", "user_aggregates", "neighbours")}
+            for name in ("pair_embeddings", "user_aggregates", "user_states", "neighbours")}
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     # The stock Feast SDK reads back exactly the offline values, through the versioned FeatureService.
     fs = _feast(cfg.yaml_path, offline, monkeypatch)
     pairs = off["pair_embeddings"].sample(40, random_state=0)
-    res = fs.get_online_features(features=fs.get_feature_service("solaris_v1"), full_feature_names=True,
+    res = fs.get_online_features(features=fs.get_feature_service("solaris_v2"), full_feature_names=True,
                                  entity_rows=[{"user_id": int(u), "item_id": int(i)}
                                               for u, i in zip(pairs.user_id, pairs.item_id)]).to_df()
     np.testing.assert_array_equal(np.stack(res["pair_embeddings__embedding"]), np.stack(pairs.embedding))
@@ -177,6 +177,8 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     agg = off["user_aggregates"].set_index("user_id").loc[pairs.user_id]
     np.testing.assert_array_equal(np.stack(res["user_aggregates__embedding"]), np.stack(agg.embedding))
     assert res["user_aggregates__n_pairs"].tolist() == agg.n_pairs.tolist()
+    st = off["user_states"].set_index("user_id").loc[pairs.user_id]
+    np.testing.assert_array_equal(np.stack(res["user_states__embedding"]), np.stack(st.embedding))
     nb = off["neighbours"].set_index("user_id")
     for u, ids, emb in zip(res.user_id, res["neighbours__neighbour_ids"], res["neighbours__embedding"]):
         if u in nb.index:
@@ -267,6 +269,7 @@ def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(m
     assert st["online"]["latest_materialized_end"] == ML_END.isoformat() and st["online"]["age_hours"] == 2.0
     assert st["online"]["keys"] == {"pair_embeddings": len(pairs),
                                     "user_aggregates": off["user_aggregates"].user_id.nunique(),
+                                    "user_states": off["user_states"].user_id.nunique(),
                                     "neighbours": off["neighbours"].user_id.nunique()}
     served = st["serving"]
     assert served["solaris_serving_rows_total"] == (pairs.user_id == user).sum() + 1, served
@@ -322,13 +325,22 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
         {"user_aggregate"}
     assert set(reader.read(user, items, ML_END + 25 * HOUR).tier_names()) == {"none"}
     assert set(reader.read(user, items, ML_END - pd.Timedelta(minutes=1)).tier_names()) == {"none"}
-    # A user with neighbours but no aggregate gets the neighbour embedding.
-    nb_only = [u for u in nb.index if u not in agg.index]
-    assert nb_only, "the MovieLens refresh should leave users with neighbours but no pairs"
+    # A user with no aggregate gets the code of their own FM user embedding (the user state); with that tier not
+    # served, the neighbour embedding.
+    states = off["user_states"].set_index("user_id")
+    nb_only = [u for u in nb.index if u not in agg.index and u in states.index]
+    assert nb_only, "the MovieLens refresh should leave users with neighbours and a state but no pairs"
     g = reader.read(int(nb_only[0]), unknown[:5], ML_END + HOUR)
+    assert g.tier_names() == ["user_state"] * 5 and (g.counts == 1).all()
+    np.testing.assert_array_equal(g.embeddings, np.repeat(states.loc[nb_only[0]].embedding[None], 5, 0))
+    without = FeatureReader(store, version, dim, misses=None, tiers=("user_aggregate", "neighbour"))
+    g = without.read(int(nb_only[0]), unknown[:5], ML_END + HOUR)
     assert g.tier_names() == ["neighbour"] * 5
     np.testing.assert_array_equal(g.embeddings, np.repeat(nb.loc[nb_only[0]].embedding[None], 5, 0))
     assert (g.counts == nb.loc[nb_only[0]].n_neighbours).all() and nb.loc[nb_only[0]].n_neighbours > 0
+    without.close()
+    with pytest.raises(ValueError, match=r"unknown fallback tiers \['pair'\]"):
+        FeatureReader(store, version, dim, misses=None, tiers=("pair",))
     # Another model version than the VM's is never served.
     other = FeatureReader(store, "fm-000000000000+ae-000000000000", dim, misses=None)
     h = other.read(user, items, ML_END + HOUR)

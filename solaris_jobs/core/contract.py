@@ -4,7 +4,8 @@ FM embeds, and the version string of the embeddings in the store.
 """
 from __future__ import annotations
 
-TIERS = ("pair", "user_aggregate", "neighbour", "none")      # the VM's tier one-hot, the reader's tier codes
+# The VM's tier one-hot and the reader's tier codes, in the order the reader falls back through them.
+TIERS = ("pair", "user_aggregate", "user_state", "neighbour", "none")
 TIER_NONE = TIERS.index("none")
 
 N_GAP_BUCKETS = 33          # 0 = padding, 1..32 = 1 + floor(log2(1 + seconds))

@@ -533,7 +533,7 @@ def model_registry(env=None) -> Path:
 
 # ------------------------------------------------------------------------------------------------ store, cache
 
-VIEW_TTLS = {"pair_embeddings": "24h", "user_aggregates": "24h", "neighbours": "24h"}
+VIEW_TTLS = {"pair_embeddings": "24h", "user_aggregates": "24h", "user_states": "24h", "neighbours": "24h"}
 
 
 def view_ttl(view: str, env=None) -> tuple[str, str]:

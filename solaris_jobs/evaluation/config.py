@@ -33,6 +33,7 @@ class EvalConfig:
     label_delay_minutes: float = 30.0                      # labels arrive 30 min after their event (#40)
     ttl_pair: str = "24h"
     ttl_aggregate: str = "24h"
+    ttl_user_state: str = "24h"
     ttl_neighbour: str = "24h"
     aggregate_hours: float = 24.0
     active_hours: float = 24.0
@@ -92,7 +93,7 @@ def movielens_config(**kw) -> EvalConfig:
     bursts weeks apart, so a daily refresh with week-long windows and TTLs; no sequence-share sweep and no curves
     (reported with intervals, no target)."""
     base = dict(dataset="movielens", cadence="1d", delay="10min", ttl_pair="7d", ttl_aggregate="7d",
-                ttl_neighbour="7d", aggregate_hours=168.0, active_hours=168.0, recent_hours=168.0,
+                ttl_neighbour="7d", ttl_user_state="7d", aggregate_hours=168.0, active_hours=168.0, recent_hours=168.0,
                 slow_cadence=7, fast_cadence=None, sequence_shares=(), curves=False,
                 models=ModelsConfig(max_train_rows=None, fm_epochs=3, vm_epochs=8, batch_size=256))
     return EvalConfig(**{**base, **kw})
@@ -118,4 +119,4 @@ def ttls(cfg: EvalConfig) -> dict:
     """The online views' TTLs of ``cfg`` (as the materializer takes them)."""
     from solaris_jobs.core.settings import ttl_env
     return ttl_env({"pair_embeddings": cfg.ttl_pair, "user_aggregates": cfg.ttl_aggregate,
-                    "neighbours": cfg.ttl_neighbour})
+                    "user_states": cfg.ttl_user_state, "neighbours": cfg.ttl_neighbour})

@@ -69,6 +69,9 @@ def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.Repl
         agg = off.read_interval(spark, derived.offline, "user_aggregates", T)
         off.write_interval(aggregates.neighbour_embeddings(lists, agg, T, models.embedding_version), derived.offline,
                            "neighbours", T, {"interval_end": T.isoformat(), "derived_from": s.offline})
+        # The user states do not depend on the budget: the base replay's, as they are.
+        off.write_interval(off.read_table(s.offline, "user_states", T), derived.offline, "user_states", T,
+                           {"interval_end": T.isoformat(), "derived_from": s.offline})
         visible.append((T, pd.Timestamp(r["visible_at"])))
     dplan = replay.ReplayPlan(plan.start, plan.end, period, plan.delay, plan.ttls)
     res = replay.serve_again(derived, models, dplan, events, visible, out)

@@ -120,7 +120,7 @@ def warm_from(head_offline: str, refreshes: list[dict], every: pd.Timedelta, ttl
         store = replay.replay_store(out / "online")
         for r in refreshes:
             T = pd.Timestamp(r["cutoff"])
-            for ds in ("pair_embeddings", "user_aggregates", "neighbours"):
+            for ds in ("pair_embeddings", "user_aggregates", "user_states", "neighbours"):
                 off.write_interval(off.read_table(head_offline, ds, T), s.offline, ds, T,
                                    off.read_stats(head_offline, ds, T))
             materialize(store, s.offline, T, expire_from="event", now=pd.Timestamp(r["visible_at"]),

@@ -205,8 +205,8 @@ def _md_protocol(report: dict) -> list[str]:
             f"{P['fm_valid_from']}); replay of [{P['t1']}, {P['t3']}) every {cfg['cadence']}; VMs trained on "
             f"[{P['t0']}, {P['valid_from']}), validated on [{P['valid_from']}, {P['t2']}), tested on "
             f"[{P['t2']}, {P['t3']}). Seeds {report['seeds']}. Headline: budget {cfg['budget']} FM inferences "
-            f"per served row, TTLs pair {cfg['ttl_pair']} / aggregate {cfg['ttl_aggregate']} / neighbour "
-            f"{cfg['ttl_neighbour']}, pool = pairs ranked in the last {cfg['recent_hours']:g} h + "
+            f"per served row, TTLs pair {cfg['ttl_pair']} / aggregate {cfg['ttl_aggregate']} / user state "
+            f"{cfg.get('ttl_user_state', '-')} / neighbour {cfg['ttl_neighbour']}, pool = pairs ranked in the last {cfg['recent_hours']:g} h + "
             f"{cfg['n_candidates']} simulator candidates per active user + misses, priority "
             f"{cfg['select_priority']}, visibility delay {cfg['delay']}."]
 
@@ -304,14 +304,13 @@ def _md_coverage(r: dict) -> list[str]:
     cov = r["headline"]["coverage"]["test"]
     ages = ", ".join(f"{k} mean {_f(v['mean_h'], 2)} h (p90 {_f(v['p90_h'], 2)})" for k, v in cov["age"].items()
                      if v)
-    return ["", f"Coverage of the test rows (through FeatureReader): pair {_f(cov['shares']['pair'], 3)}, user "
-                f"aggregate {_f(cov['shares']['user_aggregate'], 3)}, neighbour {_f(cov['shares']['neighbour'], 3)}, "
-                f"none {_f(cov['shares']['none'], 3)}; any tier {_f(cov['any_tier'], 3)}. Pair ceiling (pair shown "
-                f"before the last refresh) {_f(cov['ceiling'], 3)}: pair tier = {_f(cov['pair_of_ceiling'], 3)} "
+    shares = ", ".join(f"{t.replace('_', ' ')} {_f(cov['shares'].get(t), 3)}" for t in TIERS)
+    return ["", f"Coverage of the test rows (through FeatureReader): {shares}; any tier {_f(cov['any_tier'], 3)}. "
+                f"Pair ceiling (pair shown before the last refresh) {_f(cov['ceiling'], 3)}: pair tier = {_f(cov['pair_of_ceiling'], 3)} "
                 f"of it. FM inferences per served row {_f(r['fm_per_row']['per_row'], 3)} "
                 f"({r['fm_per_row']['fm_inferences']} pair inferences for {r['fm_per_row']['served_rows']} rows; "
                 f"plus {_f(r['fm_per_row']['user_embeddings_per_row'], 3)} FM user embeddings per row for the "
-                f"neighbour tier, every user with history at every refresh).",
+                f"user-state and neighbour tiers, every user with history at every refresh).",
             f"Age of what was served: {ages}."]
 
 

@@ -10,8 +10,8 @@ no soft label. The FM inputs of rows in ``[t1, t3)`` are the replay's (``solaris
 =============  ===========================================================================================
 vm             the VM alone
 vm_kd          + knowledge distillation from the frozen FM (soft labels on [t1, t2) rows: out of sample)
-tiers_only     + tier and age inputs, embeddings zeroed (what the tiers alone carry)
-pair           + SOLARIS, pair tier only (aggregate and neighbour rows become tier none)
+tiers_only     + tier, age and count inputs, embeddings zeroed (what the tiers alone carry)
+pair           + SOLARIS, pair tier only (the fallback tiers' rows become tier none)
 pair_agg       + SOLARIS, pair and user-aggregate tiers
 solaris        + SOLARIS, all tiers
 solaris_kd     all tiers + KD
@@ -43,7 +43,8 @@ from solaris_jobs.evaluation.protocol import VARIANT_CODE, code_version
 
 logger = logging.getLogger(__name__)
 
-T_PAIR, T_AGG, T_NB = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour"))
+T_PAIR, T_AGG, T_STATE, T_NB = (TIERS.index(t) for t in ("pair", "user_aggregate", "user_state", "neighbour"))
+ALL = (T_PAIR, T_AGG, T_STATE, T_NB)
 BASE_GRID = [{"lr": lr, "weight_decay": wd, "dropout": do}
              for lr, (wd, do) in itertools.product((3e-3, 1e-2), ((0.0, 0.1), (0.0, 0.3), (1e-4, 0.3)))]
 # KD's weight is per soft-labelled row (``VerticalModel.loss``): the soft label's share of each row that has one.
@@ -65,11 +66,11 @@ def kd_grid(chosen: dict, points) -> list[dict]:
 VARIANTS = {
     "vm": (None, (), False, False, None),
     "vm_kd": (None, (), False, True, "vm"),
-    "tiers_only": ("served", (T_PAIR, T_AGG, T_NB), True, False, None),
+    "tiers_only": ("served", ALL, True, False, None),
     "pair": ("served", (T_PAIR,), False, False, None),
     "pair_agg": ("served", (T_PAIR, T_AGG), False, False, None),
-    "solaris": ("served", (T_PAIR, T_AGG, T_NB), False, False, None),
-    "solaris_kd": ("served", (T_PAIR, T_AGG, T_NB), False, True, "solaris"),
+    "solaris": ("served", ALL, False, False, None),
+    "solaris_kd": ("served", ALL, False, True, "solaris"),
     "oracle": ("oracle", (T_PAIR,), False, False, None),
 }
 

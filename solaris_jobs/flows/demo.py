@@ -11,9 +11,11 @@ from pathlib import Path
 import pandas as pd
 
 from solaris_jobs.core import offline as off
+from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.settings import PrecomputeConfig, Settings, dag_env
 from solaris_jobs.flows.refresh_steps import STEPS
 from solaris_jobs.online.store_config import DEFAULT_REPO
+from solaris_jobs.online.views import FEATURE_SERVICE
 
 
 def _settings_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -> dict:
@@ -57,12 +59,12 @@ def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, mast
         rows.append((e, rep, secs, time.perf_counter() - t0))
     echo(f"\nrefresh DAG (dag.test) over {intervals} hourly interval(s); offline store {workdir / 'offline'}, "
          f"online store {DEFAULT_REPO / 'data' / 'online_store.db'}")
-    echo(f"{'interval end':26s} {'events':>6s} {'pair':>6s} {'aggr.':>6s} {'nbr.':>6s} {'none':>6s}  "
+    echo(f"{'interval end':26s} {'events':>6s} {'pair':>6s} {'aggr.':>6s} {'state':>6s} {'nbr.':>6s} {'none':>6s}  "
          f"seconds per task ({'/'.join(STEPS)}), run")
     for e, rep, secs, wall in rows:
         cov = rep["coverage"]
         c = "".join(f" {cov[t]:6.2f}" if cov[t] is not None else f" {'-':>6s}"
-                    for t in ("pair", "user_aggregate", "neighbour", "none"))
+                    for t in TIERS)
         steps = "/".join(f"{secs.get(t, 0):.1f}" for t in STEPS)
         echo(f"{e.isoformat():26s} {rep['events']:6d}{c}  {steps}, {wall:.0f}")
     echo("coverage = share of the interval's logged rows by the tier the serving client (FeatureReader) served them "
@@ -82,12 +84,11 @@ def _show_reads(workdir: Path, models: Path, end: pd.Timestamp, echo) -> None:
     repo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(repo)
     fs = FeatureStore(repo_path=str(DEFAULT_REPO))
-    fs.apply([repo.user, repo.item, repo.pair_embeddings, repo.user_aggregates, repo.neighbours,
-              repo.solaris_service])
-    got = fs.get_online_features(features=fs.get_feature_service("solaris_v1"), full_feature_names=True,
+    fs.apply(repo.OBJECTS)
+    got = fs.get_online_features(features=fs.get_feature_service(FEATURE_SERVICE), full_feature_names=True,
                                  entity_rows=[{"user_id": user, "item_id": item}]).to_dict()
     emb = got["pair_embeddings__embedding"][0]
-    echo(f"\nFeast SDK, FeatureService solaris_v1, user {user} item {item}: pair embedding "
+    echo(f"\nFeast SDK, FeatureService {FEATURE_SERVICE}, user {user} item {item}: pair embedding "
          f"[{', '.join(f'{x:.3f}' for x in emb[:4])}, ...] ({len(emb)} floats), model "
          f"{got['pair_embeddings__model_version'][0]}, user aggregate over {got['user_aggregates__n_pairs'][0]} "
          f"pairs, {got['neighbours__n_neighbours'][0]} neighbours")

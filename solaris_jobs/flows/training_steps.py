@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.settings import Settings, TrainSettings, train_settings, ttl_env
 from solaris_jobs.core.settings import model_registry as registry
 
@@ -109,7 +110,7 @@ def train_served_vm(root: str, version_dir: Path, o: TrainSettings, P) -> dict:
     out = variants.train_on_served(data, P, served, models, version_dir / "vm_transfer.pt", seed=o.seed)
     out.update(mode="transfer", protocol=P.to_dict(), served_every=str(every), replay_wall_s=rec["wall_s"],
                fm_version=models.fm.version, ae_version=models.ae.version,
-               served_tiers=np.bincount(served.column("tier").to_numpy(), minlength=4).tolist())
+               served_tiers=np.bincount(served.column("tier").to_numpy(), minlength=len(TIERS)).tolist())
     return out
 
 

@@ -325,41 +325,66 @@ def fm_outputs(fm: FoundationModel, examples: Examples, batch_size: int = 1024) 
     return {"prob": (1.0 / (1.0 + np.exp(-out["logit"].astype(np.float64)))).astype(np.float32), "h": out["h"]}
 
 
+@torch.inference_mode()
+def fm_user_vectors(fm: FoundationModel, examples: Examples, batch_size: int = 1024) -> np.ndarray:
+    """The FM's user embedding (N, 2 x d_model; no target) at every example's time, as the refresh computes it."""
+    fm.eval()
+    device = next(fm.parameters()).device
+    got = [fm.user_embedding(batch_to_tensors(b, device)).float().cpu().numpy() for b in examples.batches(batch_size)]
+    return np.concatenate(got) if got else np.zeros((0, 2 * fm.cfg.d_model), np.float32)
+
+
+def _fit_coder(coder, params, x_train: torch.Tensor, x_valid: torch.Tensor, cfg: TrainConfig, name: str):
+    """Trains one coder of the autoencoder (``params``: its parameters) for ``5 x epochs`` epochs, keeping the weights
+    of the best validation MSE; returns the per-epoch history."""
+    coder.set_scale(x_train)
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    best, best_state, history = math.inf, None, []
+    for epoch in range(max(cfg.epochs, 1) * 5):
+        coder.train()
+        for idx in torch.randperm(len(x_train), generator=gen).split(cfg.batch_size):
+            loss = coder.loss(x_train[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        coder.eval()
+        with torch.inference_mode():
+            v = float(coder.loss(x_valid))
+        history.append({"epoch": epoch + 1, "valid_mse": v})
+        logger.info("%s epoch %d: valid MSE (standardised) %.4f", name, epoch + 1, v)
+        if v < best:
+            best, best_state = v, {k: t.clone() for k, t in coder.state_dict().items()}
+    coder.load_state_dict(best_state)
+    coder.eval()
+    return history
+
+
 def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
-             d_code: int = 32) -> dict:
-    """Trains the autoencoder on the FM's h over the training split; reports explained variance on test."""
+             d_code: int = 32, user_rows: int = 200_000) -> dict:
+    """Trains the autoencoder on the FM's h over the training split, and its user coder on the FM's user
+    embeddings of (at most ``user_rows``) training rows; reports explained variance of each on test."""
     _seed(cfg.seed)
     fm, fm_meta = load_checkpoint(fm_path, kind="fm")
     h_train = torch.from_numpy(fm_outputs(fm, data.train)["h"])
     h_test = torch.from_numpy(fm_outputs(fm, data.test)["h"])
     h_valid = torch.from_numpy(fm_outputs(fm, data.valid)["h"])
-    ae = Autoencoder(AEConfig(d_in=h_train.shape[1], d_code=d_code))
-    ae.set_scale(h_train)
-    opt = torch.optim.AdamW(ae.parameters(), lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    ae = Autoencoder(AEConfig(d_in=h_train.shape[1], d_code=d_code, d_user=2 * fm.cfg.d_model))
     t0 = time.perf_counter()
-    best, best_state, history = math.inf, None, []
-    for epoch in range(max(cfg.epochs, 1) * 5):
-        ae.train()
-        for idx in torch.randperm(len(h_train), generator=gen).split(cfg.batch_size):
-            loss = ae.loss(h_train[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        ae.eval()
-        with torch.inference_mode():
-            v = float(ae.loss(h_valid))
-        history.append({"epoch": epoch + 1, "valid_mse": v})
-        logger.info("ae epoch %d: valid MSE (standardised) %.4f", epoch + 1, v)
-        if v < best:
-            best, best_state = v, {k: t.clone() for k, t in ae.state_dict().items()}
-    ae.load_state_dict(best_state)
-    ae.eval()
+    pair_params = [p for n, p in ae.named_parameters() if not n.startswith("user.")]
+    history = _fit_coder(ae, pair_params, h_train, h_valid, cfg, "ae")
+    users = {k: torch.from_numpy(fm_user_vectors(fm, cap_rows(part, n, cfg.seed))) for k, part, n in
+             (("train", data.train, user_rows), ("valid", data.valid, user_rows // 4),
+              ("test", data.test, user_rows // 4))}
+    user_history = _fit_coder(ae.user, list(ae.user.parameters()), users["train"], users["valid"], cfg, "ae user")
     with torch.inference_mode():
         metrics = {"test_mse": float(ae.loss(h_test)), "test_explained_variance": ae.explained_variance(h_test),
-                   "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
+                   "user_test_explained_variance": ae.user.explained_variance(users["test"]),
+                   "history": history, "user_history": user_history,
+                   "train_seconds": round(time.perf_counter() - t0, 1),
                    "fm_version": fm_meta["model_version"], "split": _split_info(data)}
-    logger.info("ae: test explained variance %.3f", metrics["test_explained_variance"])
+    logger.info("ae: test explained variance %.3f (user coder %.3f)", metrics["test_explained_variance"],
+                metrics["user_test_explained_variance"])
     metrics["model_version"] = save_checkpoint(ae, out, extra={"metrics": metrics, "fm_version":
                                                                fm_meta["model_version"]})
     return metrics

@@ -50,7 +50,7 @@ class Server:
         self.starts = np.flatnonzero(np.concatenate([[True], np.diff(r) != 0])) if len(r) else np.zeros(0, np.int64)
         n = events.num_rows
         self.emb = np.zeros((n, dim), np.float32)
-        self.tier = np.full(n, 3, np.int8)
+        self.tier = np.full(n, TIERS.index("none"), np.int8)
         self.age = np.full(n, np.nan)
         self.count = np.zeros(n, np.int32)
         self.refresh_of = np.full(n, -1, np.int32)

@@ -1,9 +1,9 @@
 """The serving client: for one ranking request (a user, N candidate items, a clock) the FM features of every
-candidate, resolved per pair through the tiers: fresh pair embedding -> user aggregate -> neighbour embedding ->
-zeros. Returns an (N, D) float32 matrix, a tier per row (``solaris_jobs.core.contract.TIERS``), the age of what was
+candidate, resolved per pair through the tiers: fresh pair embedding -> user aggregate -> user state -> neighbour
+embedding -> zeros (the fallbacks served are a setting: ``tiers``). Returns an (N, D) float32 matrix, a tier per row (``solaris_jobs.core.contract.TIERS``), the age of what was
 served and how many FM embeddings stand behind it (1 for a pair, the aggregate's pairs, the neighbours averaged).
 
-- Redis: one round trip: the HMGET of the user's hash (both user views) and the N pair hashes, in Feast's layout,
+- Redis: one round trip: the HMGET of the user's hash (the user views served) and the N pair hashes, in Feast's layout,
   written to the socket as one buffer built with numpy and parsed by hiredis (redis-py's per-command Python would
   cost ~14 us x N). Rows past their view's TTL (from their event time, since Feast does not filter by ttl), newer
   than the request (replays) or of another model version than the VM expects are never served.
@@ -40,10 +40,12 @@ from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, views
 
 logger = logging.getLogger(__name__)
 
-T_PAIR, T_AGG, T_NB, T_NONE = (TIERS.index(t) for t in ("pair", "user_aggregate", "neighbour", "none"))
+T_PAIR, T_NONE = TIERS.index("pair"), TIERS.index("none")
 MISSING, STALE, OTHER_VERSION, FUTURE = 0, 1, 2, 3
 CODE_NAMES = {MISSING: "missing", STALE: "stale", OTHER_VERSION: "other_version", FUTURE: "future"}
 COUNT_OF = {"user_aggregates": "n_pairs", "neighbours": "n_neighbours"}     # the embeddings behind a fallback row
+# The fallback tiers (user-keyed views), in the order the reader falls back through them.
+FALLBACKS = tuple(t for t in TIERS if t not in ("pair", "none"))
 
 
 @dataclass
@@ -110,6 +112,8 @@ class FeatureReader:
         budget_ms: the read's time budget (socket timeout); slower or failing reads give tier none.
         misses: ``auto`` (Redis stream for a Redis store, else parquet under ``misses_dir`` if given), None (off),
             or a sink object with ``write(records)`` and ``close()``.
+        tiers: the fallback tiers served where no fresh pair embedding is (``FALLBACKS``' names, tried in that
+            order); None: every one.
 
     ``close()`` (or leaving a ``with FeatureReader(...) as reader:`` block) closes every connection and flushes the
     miss queue.
@@ -117,8 +121,11 @@ class FeatureReader:
 
     def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
                  cooldown_s: float = 1.0, misses="auto", misses_dir: str | Path | None = None,
-                 miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5):
+                 miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5, tiers=None):
         self.cfg, self.version, self.dim = cfg, model_version, dim
+        unknown = set(tiers or ()) - set(FALLBACKS)
+        if unknown:
+            raise ValueError(f"unknown fallback tiers {sorted(unknown)}: the fallback tiers are {list(FALLBACKS)}")
         self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
         self.views = views(env)
         self.metrics = ServingMetrics()
@@ -140,8 +147,14 @@ class FeatureReader:
         def fields(v, *more):
             return ([ff.field_name(v.name, EMBEDDING), ff.field_name(v.name, MODEL_VERSION), ff.ts_field(v.name)]
                     + [ff.field_name(v.name, m) for m in more])
-        self._user_fields = (fields(self.views["user_aggregates"], COUNT_OF["user_aggregates"])
-                             + fields(self.views["neighbours"], COUNT_OF["neighbours"]))
+        # (tier, view, number of fields read) per fallback served, in fallback order.
+        self._fallbacks = [(TIERS.index(v.tier), v, 4 if v.name in COUNT_OF else 3) for v in self.views.values()
+                           if v.tier in FALLBACKS and (tiers is None or v.tier in tiers)]
+        self._user_fields = [f for _, v, n in self._fallbacks
+                             for f in fields(v, *([COUNT_OF[v.name]] if n == 4 else []))]
+        # No fallback served: the user's hash is still asked for one (absent) field, so that every read has the same
+        # shape (an HMGET needs a field).
+        self._user_fields = self._user_fields or [b"_"]
         self._pair_head = b"*5\r\n" + bulk(b"HMGET")
         self._pair_fields = fields(self.views["pair_embeddings"])
         self._pair_tail = b"".join(map(bulk, self._pair_fields))
@@ -188,8 +201,11 @@ class FeatureReader:
             replies = self._read_single(ukey, pkeys)
         u, ts = replies[0], self._ts
         flat = list(chain.from_iterable(replies[1:]))             # [embedding, version, ts] per pair, flattened
-        users = [(u[0], u[1], ts[u[2]], u[3]) if u[0] is not None else None,
-                 (u[4], u[5], ts[u[6]], u[7]) if u[4] is not None else None]
+        users, at = [], 0
+        for _, _, n in self._fallbacks:
+            users.append((u[at], u[at + 1], ts[u[at + 2]], u[at + 3] if n == 4 else None) if u[at] is not None
+                         else None)
+            at += n
         return users, (flat[0::3], flat[1::3], np.fromiter(map(ts.__getitem__, flat[2::3]), np.float64, len(pkeys)))
 
     def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
@@ -205,7 +221,7 @@ class FeatureReader:
 
     def _read_single(self, ukey: bytes, pkeys: np.ndarray) -> list:
         sock = self._redis().sock
-        # One buffer: HMGET of the user's hash (both user views), then one HMGET per pair (fixed-width records).
+        # One buffer: HMGET of the user's hash (the user views served), then one HMGET per pair (fixed-width records).
         head = (b"*%d\r\n" % (2 + len(self._user_fields)) + bulk(b"HMGET") + bulk(ukey)
                 + b"".join(map(bulk, self._user_fields)))
         keys = bulk_records(pkeys)
@@ -254,15 +270,14 @@ class FeatureReader:
             if rec is None or EMBEDDING not in rec:
                 return None
             head = rec[EMBEDDING], rec.get(MODEL_VERSION), float(rec["_ts"])     # epoch seconds (Feast 0.67)
-            return head if count is None else (*head, rec.get(count))
+            return head if count is None else (*head, rec.get(count) if count else None)
 
         ukey = ff.entity_key({"user_id": user})
         pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),
                                                       "item_id": items})]
         pr = rows(self.views["pair_embeddings"], pkeys)
         pairs = [triple(pr.get(k)) or (None, None, math.nan) for k in pkeys]
-        return ([triple(rows(self.views[v], [ukey]).get(ukey), COUNT_OF[v]) for v in ("user_aggregates",
-                                                                                       "neighbours")],
+        return ([triple(rows(v, [ukey]).get(ukey), COUNT_OF.get(v.name, "")) for _, v, _ in self._fallbacks],
                 ([p[0] for p in pairs], [p[1] for p in pairs], np.array([p[2] for p in pairs], np.float64)))
 
     def read(self, user_id: int, item_ids, now) -> Features:
@@ -325,13 +340,13 @@ class FeatureReader:
                  counts: np.ndarray, c: Counter) -> None:
         users, (embs, versions, event_s) = raw
         fallback = None
-        for tier, row, ttl_s in ((T_AGG, users[0], self._ttl["user_aggregates"]),
-                                 (T_NB, users[1], self._ttl["neighbours"])):
-            r = self._check(row, ttl_s, now_s)
+        for (tier, view, _), row in zip(self._fallbacks, users):
+            r = self._check(row, self._ttl[view.name], now_s)
             if isinstance(r, bytes):
                 vec, ok = ff.parse_float_lists([r], self.dim)
                 if ok[0]:
-                    fallback = (tier, vec[0], now_s - row[2], ff.parse_int32(row[3]))
+                    fallback = (tier, vec[0], now_s - row[2], ff.parse_int32(row[3]) if view.name in COUNT_OF
+                                else 1)
                     break
                 c["bad_width"] += 1
             else:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-FEATURE_SERVICE = "solaris_v1"     # bump the suffix when a view's schema changes
+FEATURE_SERVICE = "solaris_v2"     # bump the suffix when a view's schema changes (v2: user_states)
 
 # How a row's model_version is used when served (the Feast tags say it too).
 VERSION_POLICY = ("rows carry the FM+AE version that made them; the serving client serves only its pinned version "
@@ -64,7 +64,7 @@ def ttl(name: str, env=None) -> pd.Timedelta:
 
 
 def views(env=None) -> dict[str, View]:
-    """The three views, keyed by name, in serving-tier order."""
+    """The four views, keyed by name, in serving-tier order."""
     return {v.name: v for v in (
         View("pair_embeddings", ("user_id", "item_id"),
              ((EMBEDDING, "float_list"), (MODEL_VERSION, "string")),
@@ -74,6 +74,11 @@ def views(env=None) -> dict[str, View]:
              ((EMBEDDING, "float_list"), ("n_pairs", "int32"), (MODEL_VERSION, "string")),
              ttl("user_aggregates", env), "user_aggregate",
              "Mean of the user's pair embeddings of the trailing window; the fallback for unseen pairs."),
+        View("user_states", ("user_id",),
+             ((EMBEDDING, "float_list"), (MODEL_VERSION, "string")),
+             ttl("user_states", env), "user_state",
+             "The user's own FM user embedding (history, no target) through the autoencoder's user coder (D floats), "
+             "computed every refresh for the neighbour step; the fallback for unseen pairs."),
         View("neighbours", ("user_id",),
              ((EMBEDDING, "float_list"), ("n_neighbours", "int32"), ("neighbour_ids", "int64_list"),
               ("similarities", "float_list"), (MODEL_VERSION, "string")),

@@ -129,12 +129,13 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
     return user_pairs.mapInPandas(embed, schema)
 
 
-def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig):
-    """FM user-level embeddings (no target) for (user_id, history arrays): (user_id, vector array<float>,
-    reject_reason), the reason ``NONFINITE_USER`` for vectors with a NaN or infinity (else null)."""
+def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig, ae: ModelRef | None = None):
+    """FM user-level embeddings (no target) for (user_id, history arrays): (user_id, vector array<float>, state
+    array<float>: the vector through the autoencoder's user coder (``ae``; null without it), reject_reason), the
+    reason ``NONFINITE_USER`` for a vector or state with a NaN or infinity (else null)."""
     from pyspark.sql.types import ArrayType, FloatType, LongType, StringType, StructField, StructType
     schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType())),
-                         StructField("reject_reason", StringType())])
+                         StructField("state", ArrayType(FloatType())), StructField("reject_reason", StringType())])
     at_us = pd.Timestamp(cutoff).value // 1000
     batch_size, device, threads, L = cfg.user_batch_size, cfg.device, cfg.torch_threads, cfg.history_len
     reasons = np.array([NONFINITE_USER, None], dtype=object)
@@ -144,13 +145,19 @@ def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig)
 
         from models import batch_to_tensors
         model, _, dev = load(fm, device, threads)
+        coder = load(ae, device, threads)[0] if ae is not None else None
+        coder = coder if coder is not None and coder.user is not None else None     # an AE without a user coder
         for pdf in frames:
             for s in range(0, len(pdf), batch_size):
                 part = pdf.iloc[s: s + batch_size]
                 b = _examples(part, at_us, L).batch(np.arange(len(part)))
                 with torch.inference_mode():
-                    vec = model.user_embedding(batch_to_tensors(b, dev)).float().cpu().numpy()
+                    v = model.user_embedding(batch_to_tensors(b, dev))
+                    state = coder.encode_user(v).float().cpu().numpy() if coder is not None else None
+                    vec = v.float().cpu().numpy()
+                ok = np.isfinite(vec).all(1) & (np.isfinite(state).all(1) if state is not None else True)
                 yield pd.DataFrame({"user_id": part["user_id"].to_numpy(), "vector": list(vec),
-                                    "reject_reason": reasons[_nonfinite(np.isfinite(vec).all(1))]})
+                                    "state": list(state) if state is not None else None,
+                                    "reject_reason": reasons[_nonfinite(ok)]})
 
     return users_with_history.mapInPandas(embed, schema)

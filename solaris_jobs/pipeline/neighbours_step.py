@@ -45,6 +45,7 @@ class Users:
     ids: np.ndarray
     vectors: np.ndarray
     at: np.ndarray
+    states: pa.Array | None = None           # each vector through the autoencoder's user coder (list<float>; null)
     neighbour_ids: np.ndarray | None = None
     similarities: np.ndarray | None = None
 
@@ -81,14 +82,15 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     base, full_because = _knn_base(s, cfg, T, version)
     state = interval_state.read_state(spark, s, cfg, T)
     hist, changed = _histories(state, prior, base, cfg, cache)
-    new, n_bad = _embed_users(hist, models.fm, T, cfg, cache)
+    new, n_bad = _embed_users(hist, models, T, cfg, cache)
     prev = off.read_table(s.offline, "user_embeddings", base.previous) if base is not None else None
     # The vector width: of this interval's vectors, else (an active interval where nobody changed) the kept ones.
     widths = [len(t.column("vector")[0]) for t in (new, prev) if t is not None and t.num_rows]
     dim = widths[0] if widths else 0
     new_ids = new.column("user_id").to_numpy()
     users = Users(new_ids, _matrix(new.column("vector"), dim, np.float32), np.full(len(new_ids), T.value // 1000,
-                                                                                   np.int64))
+                                                                                   np.int64),
+                  _states(new))
     del new
     if base is None:
         index, carried = _build_index(users, cfg, T), None
@@ -102,9 +104,11 @@ def neighbours(spark, s: Settings, start, end, *, events=None, models=None, cloc
     path = _write_user_embeddings(s, users, index, base is None, cfg, version, T, clock, {
         "embedded": int(len(new_ids)), "carried": n_carried,
         "rejected": {inference.NONFINITE_USER: n_bad} if n_bad else {}})
+    n_states = _publish_user_states(spark, s, path, T, version, clock)
     staged, n = _stage_neighbours(spark, s, path, T, version)
     stats = {"interval_end": T.isoformat(), "users_with_history": int(len(users.ids)),
              "users_embedded": int(len(new_ids)), "users_carried": n_carried, "users_with_neighbour_embedding": n,
+             "users_with_state": n_states,
              "users_rejected": n_bad, "full": base is None, "full_because": full_because,
              "histories_reused": state is not None, "user_batch_size": cfg.user_batch_size, "knn": kstats,
              "model_version": version, "seconds": round(time.perf_counter() - t0, 2)}
@@ -146,14 +150,15 @@ def _histories(state: interval_state.State | None, prior, base: KnnBase | None, 
     return hist.join(changed, "user_id", "left_semi"), changed
 
 
-def _embed_users(hist, fm, T: pd.Timestamp, cfg: PrecomputeConfig, cache) -> tuple[pa.Table, int]:
-    """The FM user vectors of ``hist``'s users (executors), in user order: the index's rows (and so FAISS's order
-    among equal similarities) do not depend on where the histories came from. Returns (user_id, vector) and the
-    number of users set aside (a vector that is not finite)."""
+def _embed_users(hist, models, T: pd.Timestamp, cfg: PrecomputeConfig, cache) -> tuple[pa.Table, int]:
+    """The FM user vectors of ``hist``'s users and their user-state codes (executors), in user order: the index's
+    rows (and so FAISS's order among equal similarities) do not depend on where the histories came from. Returns
+    (user_id, vector, state) and the number of users set aside (a vector or state that is not finite)."""
     from pyspark.sql import functions as F
-    uemb = cache(inference.embed_users(hist, fm, T, cfg))
+    uemb = cache(inference.embed_users(hist, models.fm, T, cfg, models.ae))
     n_bad = uemb.where(F.col("reject_reason").isNotNull()).count()
-    new = uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector").toArrow().sort_by("user_id")
+    new = (uemb.where(F.col("reject_reason").isNull()).select("user_id", "vector", "state").toArrow()
+           .sort_by("user_id"))
     uemb.unpersist()
     return new, n_bad
 
@@ -219,6 +224,7 @@ def _carry(users: Users, carried: pa.Table | None, dim: int, k: int) -> int:
     users.ids = np.concatenate([users.ids, carried.column("user_id").to_numpy()])
     users.vectors = np.concatenate([users.vectors, _matrix(carried.column("vector"), dim, np.float32)])
     users.at = np.concatenate([users.at, carried.column("embedded_at").cast(pa.int64()).to_numpy()])
+    users.states = pa.concat_arrays([users.states, _states(carried)])
     users.neighbour_ids = np.concatenate([users.neighbour_ids, _matrix(carried.column("neighbour_ids"), k, np.int64)])
     users.similarities = np.concatenate([users.similarities, _matrix(carried.column("similarities"), k, np.float32)])
     return int(carried.num_rows)
@@ -233,6 +239,7 @@ def _write_user_embeddings(s: Settings, users: Users, index: Index, built: bool,
     table = pa.table({"user_id": pa.array(users.ids[order], pa.int64()),
                       "vector": _lists(users.vectors[order], pa.float32()),
                       "embedded_at": pa.array(users.at[order], pa.timestamp("us", tz="UTC")),
+                      "state": users.states.take(pa.array(order)),
                       "neighbour_ids": _lists(users.neighbour_ids[order], pa.int64()),
                       "similarities": _lists(users.similarities[order], pa.float32())})
     users.vectors = None
@@ -251,12 +258,34 @@ def _write_user_embeddings(s: Settings, users: Users, index: Index, built: bool,
                             "knn_state": state}, clock)
 
 
+def _publish_user_states(spark, s: Settings, user_embeddings: str, T: pd.Timestamp, version: str, clock) -> int:
+    """Publishes ``user_states`` (the user-state tier's view: each user's FM user embedding through the
+    autoencoder's user coder, stamped with when the embedding was computed, so that the TTL counts from then) before
+    the neighbours that complete the step; returns its rows."""
+    from pyspark.sql import functions as F
+    ue = spark.read.parquet(user_embeddings).where(F.col("state").isNotNull())
+    states = ue.select("user_id", F.col("state").alias("embedding"), F.col("embedded_at").alias("event_timestamp"),
+                       F.lit(version).alias("model_version"))
+    staged = off.stage(states, s.offline, "user_states", T)
+    n = spark.read.parquet(staged.path).count()
+    publish(staged, {"interval_end": T.isoformat(), "users": n, "model_version": version}, clock)
+    return n
+
+
 def _stage_neighbours(spark, s: Settings, user_embeddings: str, T: pd.Timestamp, version: str):
     """Stages each user's neighbour embedding (``aggregates.neighbour_embeddings``); returns it and its rows."""
     nb = spark.read.parquet(user_embeddings).select("user_id", "neighbour_ids", "similarities")
     agg = off.read_interval(spark, s.offline, "user_aggregates", T)
     staged = off.stage(aggregates.neighbour_embeddings(nb, agg, T, version), s.offline, "neighbours", T)
     return staged, spark.read.parquet(staged.path).count()
+
+
+def _states(t: pa.Table) -> pa.Array:
+    """The user-state codes of a user table (list<float>; nulls where it has none: an autoencoder without a user
+    coder, or a table written before it had them)."""
+    if "state" not in t.column_names:
+        return pa.nulls(t.num_rows, pa.list_(pa.float32()))
+    return t.column("state").combine_chunks().cast(pa.list_(pa.float32()))
 
 
 def _matrix(col: pa.ChunkedArray, width: int, dtype) -> np.ndarray:
