@@ -361,7 +361,7 @@ def _fit_coder(coder, params, x_train: torch.Tensor, x_valid: torch.Tensor, cfg:
 
 
 def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
-             d_code: int = 32, user_rows: int = 200_000) -> dict:
+             d_code: int = 32, user_rows: int = 50_000) -> dict:
     """Trains the autoencoder on the FM's h over the training split, and its user coder on the FM's user
     embeddings of (at most ``user_rows``) training rows; reports explained variance of each on test."""
     _seed(cfg.seed)
