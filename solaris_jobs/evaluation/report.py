@@ -65,6 +65,8 @@ def _plot_tiers_over_time(report: dict, first: dict, out: Path) -> str | None:
     x = np.arange(len(per))
     bottom = np.zeros(len(per))
     for t in TIERS:
+        if t not in per[0]:
+            continue            # a report written before the tier existed (user_state: #40)
         v = np.array([p[t] for p in per])
         ax.bar(x, v, bottom=bottom, width=1.0, label=t)
         bottom += v
@@ -319,7 +321,7 @@ def _md_tier_shares(h: dict) -> list[str]:
     L = ["", "Tier shares of training, validation and test rows (train on what is served):", "",
          "| rows | " + " | ".join(TIERS) + " |", "|---|" + "---|" * len(TIERS)]
     for k, sh in h["tier_shares_side_by_side"].items():
-        L.append(f"| {k} | " + " | ".join(_f(sh[t], 3) for t in TIERS) + " |")
+        L.append(f"| {k} | " + " | ".join(_f(sh.get(t), 3) for t in TIERS) + " |")
     return L
 
 
