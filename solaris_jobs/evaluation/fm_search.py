@@ -13,8 +13,10 @@ Declared before it ran (``PLAN``), so that the FM gets at least the tuning each 
   200 is tried (at both seeds) only if 100 beats 50 by more than the seed spread (the larger of the two recipes'
   differences between their seeds).
 
-Every point is cached under ``<out>/fm_search/`` as it ends, so an interrupted search resumes; the table goes into
-``benchmarks/results/fm_search_synth.json`` and into each report's ``config.fm_search``.
+Every point is cached under ``<out>/fm_search/`` as it ends, so an interrupted search resumes; points committed
+under ``benchmarks/results/fm_search_points/`` (copied there as they end: the search takes hours) count as cached,
+so a fresh clone resumes too. The table goes into ``benchmarks/results/fm_search_synth.json`` and into each report's
+``config.fm_search``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from solaris_jobs.evaluation.protocol import ModelsConfig, Protocol, data_versio
 logger = logging.getLogger(__name__)
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "fm_search_synth.json"
+POINTS = RESULT.parent / "fm_search_points"        # points committed as they end (the same names as the cache's)
 FM_CODE = ("models.fm", "models.common", "solaris_jobs.learning.training", "solaris_jobs.core.model_inputs")
 RECIPE_KEYS = ("fm_lr", "fm_weight_decay", "fm_dropout", "fm_target_user", "history_len")
 
@@ -81,9 +84,9 @@ def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_
                "label_delay_minutes": label_delay_minutes,
                "widths": {k: getattr(base, k) for k in ("d_model", "n_layers", "d_interaction", "batch_size")}}
         name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        path = out / f"point-{name}.json"
-        if path.exists():
-            rec = json.loads(path.read_text())
+        path, kept = out / f"point-{name}.json", POINTS / f"point-{name}.json"
+        if path.exists() or kept.exists():
+            rec = json.loads((path if path.exists() else kept).read_text())
         else:
             m = replace(base, **recipe, fm_epochs=plan.epochs, fm_patience=plan.patience)
             data = data_at(m.history_len)
