@@ -51,9 +51,9 @@ def _asset(name: str) -> Asset:
     return Asset(name=f"solaris_{name}", uri=f"solaris://offline/{name}", group="solaris")
 
 
-ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "user_aggregates", "user_states", "neighbours",
-                                  "reports")}
-ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v2", group="solaris")
+ASSETS = {n: _asset(n) for n in ("selection", "pair_embeddings", "pair_fallbacks", "user_aggregates", "user_states",
+                                  "neighbours", "reports")}
+ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v3", group="solaris")
 
 OWNER = os.environ.get("SOLARIS_OWNER") or "solaris"      # as settings.owner(): Feast shows the same
 RERUN = ("\n\n**Rerun** the interval once fixed: clear this task (and its downstream) in the UI, or "
@@ -85,14 +85,17 @@ DOCS = {
              "Output: offline `pair_embeddings` (non-finite outputs set aside in `embedding_rejects`, counted)."
              "\n\n**If it fails**: `fm.pt`/`ae.pt` missing or of another FM (the message names the file), or "
              "memory: lower `batch_size` in `SOLARIS_PRECOMPUTE`." + RERUN.format(cmd="embed"),
-    "aggregate": "Mean pair embedding per user over the trailing 24 h. Output: offline `user_aggregates`.\n\n"
+    "aggregate": "Mean pair embedding per user over the trailing 24 h, and the item-aware fallback of each pair "
+                 "ranked, missed or left out by the selection lately without one (the user's pair embeddings "
+                 "weighted by item similarity). "
+                 "Outputs: offline `user_aggregates`, `pair_fallbacks`.\n\n"
                  "**If it fails**: it needs this interval's complete `pair_embeddings`: rerun `embed` first."
                  + RERUN.format(cmd="aggregate"),
     "neighbours": "FM user embeddings, FAISS top-k, neighbour embeddings. Outputs: `user_embeddings`, "
                   "`neighbours`.\n\n**If it fails**: it needs this interval's `user_aggregates`; driver memory "
                   "holds the FAISS index (1M users x 128 floats = 512 MB): raise `SOLARIS_SPARK_DRIVER_MEMORY`."
                   + RERUN.format(cmd="neighbours"),
-    "materialize": "Writes the interval's four views into the online store (Feast layout, per-view expiry). "
+    "materialize": "Writes the interval's five views into the online store (Feast layout, per-view expiry). "
                    "Fails the task on any store error; only complete intervals are recorded.\n\n**If it "
                    "fails**: a Spark step before it failed (fix that one first), or the store refused the writes "
                    "(`FEAST_FS_YAML_FILE_PATH`, `SOLARIS_REDIS`). To rerun: clear it (it rewrites the interval), or "
@@ -206,7 +209,7 @@ with DAG(
     for step, script, outlets, extra in (
             ("select", "select_candidates.py", [ASSETS["selection"]], {}),
             ("embed", "fm_inference.py", [ASSETS["pair_embeddings"]], fm_queue),
-            ("aggregate", "user_aggregates.py", [ASSETS["user_aggregates"]], {}),
+            ("aggregate", "user_aggregates.py", [ASSETS["user_aggregates"], ASSETS["pair_fallbacks"]], {}),
             ("neighbours", "neighbours.py", [ASSETS["user_states"], ASSETS["neighbours"]], {})):
         if SPARK_CONN:
             spark_tasks.append(_spark_submit(step, script, outlets=outlets, **extra))

@@ -28,7 +28,7 @@ KINDS = ("fm", "ae", "vm", "vm_transfer")
 # The published model version (its event's extra: the version, its embedding version and every model's metrics)
 # and the online store the re-embedding rewrites (the refresh DAG's asset of the same name).
 MODELS = Asset(name="solaris_models", uri="solaris://model-registry/current", group="solaris")
-ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v2", group="solaris")
+ONLINE = Asset(name="solaris_online_store", uri="solaris://online-store/solaris_v3", group="solaris")
 RERUN = ("\n\n**If it fails**: the log names the file or setting (`SOLARIS_DATA`, `SOLARIS_MODEL_REGISTRY`, "
          "`SOLARIS_TRAIN`); `current` is switched only by `publish`, so the refresh keeps serving the last good "
          "version meanwhile. Clear the task to retry it; its metrics are its XCom `return_value`.")

@@ -1,6 +1,6 @@
 """SOLARIS feature definitions for Feast: entities ``user`` and ``item``, one feature view per serving tier
-(pair embeddings, user aggregates, neighbours) over the pipeline's offline outputs, and the versioned
-FeatureService ``solaris_v2``.
+(pair embeddings, item-aware pair fallbacks, user aggregates, user states, neighbours) over the pipeline's offline outputs, and the versioned
+FeatureService ``solaris_v3``.
 
 Names, fields and TTLs come from ``solaris_jobs.online.views`` (shared with the materializer and the serving
 client). Sources read ``<offline>/<view>/`` (``solaris_jobs.core.settings.feast_offline_root()``: the configured
@@ -44,12 +44,12 @@ def _duration(t) -> str:
 
 
 _views = [_view(v) for v in views().values()]
-pair_embeddings, user_aggregates, user_states, neighbours = _views
+pair_embeddings, pair_fallbacks, user_aggregates, user_states, neighbours = _views
 solaris_service = FeatureService(
     name=FEATURE_SERVICE, features=_views, owner=OWNER,
     description="Everything the ranker reads from SOLARIS, all tiers: the serving client (FeatureReader) takes the "
-                "pair embedding when fresh, else the user aggregate, else the user state, else the neighbour "
-                "embedding, else none.",
+                "pair embedding when fresh, else the pair's item-aware fallback, else the user aggregate, else the "
+                "user state, else the neighbour embedding, else none.",
     tags={**TAGS, "tiers": " > ".join(TIERS),
           "ttls": ", ".join(f"{v.name} {_duration(v.ttl)}" for v in views().values()),
           "model_version_policy": VERSION_POLICY})

@@ -4,8 +4,8 @@ Id and side-feature embeddings of user and item, the user's and item's counters 
 smoothed positive rates), with ``recency`` the log-derived recency inputs every ranker computes from its own
 impression log (minutes since the pair / the item was last shown and since the user's previous event, the pair's
 shows in the last 1 / 6 / 24 h: ``solaris_jobs.core.model_inputs.recency``), an MLP to one logit. Optionally an FM
-slot: a D-dim embedding from the feature store
-plus a one-hot tier indicator (pair, user aggregate, neighbour, none) and, with ``fm_age``, the age of the served
+slot: a D-dim embedding from the feature store plus a one-hot tier indicator (``core.contract.TIERS``: pair,
+item-aware, user aggregate, user state, neighbour, none) and, with ``fm_age``, the age of the served
 embedding (``log1p(hours) / 4``; 0 for tier none); rows with no embedding get zeros and tier none. With
 ``tier_slots`` each tier's embedding has its own input slot (zeros in the others), so that a pair code and a user
 aggregate of the same width are not read by the same weights; with ``fm_count`` the number of FM embeddings behind

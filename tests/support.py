@@ -21,6 +21,7 @@ import pandas as pd
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import PrecomputeConfig, SimulatorConfig
 from solaris_jobs.dev.ports import free_port
+from solaris_jobs.dev.redis_local import LocalRedis, stop_process, wait_for
 from solaris_jobs.dev.spark_connect import SparkConnectServer  # noqa: F401  (the tests' Spark Connect)
 
 # ------------------------------------------------------------------------------------------------ MovieLens interval
@@ -56,31 +57,6 @@ def feast_yaml(path: Path, online: str, registry: Path | None = None) -> Path:
     return path
 
 
-def _wait_for(predicate, timeout: float, what: str, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    tail = log.read_text()[-3000:] if log and log.exists() else ""
-    raise RuntimeError(f"{what} did not come up within {timeout:.0f}s\n{tail}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stops a server started in its own process group (SIGTERM, then SIGKILL)."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(10)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-
-
 class SparkStandalone:
     """A Spark standalone master and one worker on loopback: a real cluster deployment on one machine."""
 
@@ -111,16 +87,16 @@ class SparkStandalone:
         mlog, wlog = self.workdir / "master.log", self.workdir / "worker.log"
         self._start("org.apache.spark.deploy.master.Master",
                     ["--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui)], mlog)
-        _wait_for(lambda: "I have been elected leader" in mlog.read_text(), 90, "Spark master", mlog)
+        wait_for(lambda: "I have been elected leader" in mlog.read_text(), 90, "Spark master", mlog)
         self._start("org.apache.spark.deploy.worker.Worker",
                     [self.url, "--host", "127.0.0.1", "--webui-port", str(self.worker_ui), "--cores",
                      str(self.cores), "--memory", self.memory, "--work-dir", str(self.workdir / "work")], wlog)
-        _wait_for(lambda: "Successfully registered with master" in wlog.read_text(), 90, "Spark worker", wlog)
+        wait_for(lambda: "Successfully registered with master" in wlog.read_text(), 90, "Spark worker", wlog)
         return self
 
     def __exit__(self, *exc):
         for p in reversed(self.procs):
-            stop(p)
+            stop_process(p)
 
 
 class _Server:
@@ -130,7 +106,7 @@ class _Server:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop(self.proc)
+            stop_process(self.proc)
             self.proc = None
 
     def __enter__(self):
@@ -140,22 +116,16 @@ class _Server:
         self.stop()
 
 
-class RedisServer(_Server):
-    """A real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()`` mid-test.
-    With ``tls_dir`` it speaks only TLS (a self-signed certificate for 127.0.0.1 made there, ``tls_dir/cert.pem``);
-    with ``password`` it requires AUTH. ``connection_string`` is what a feature_store.yaml names it by."""
+class RedisServer(LocalRedis):
+    """``LocalRedis`` (a real ``redis-server`` on 127.0.0.1 and a free port, no persistence; ``stop()``/``start()``
+    mid-test). With ``tls_dir`` it speaks only TLS (a self-signed certificate for 127.0.0.1 made there,
+    ``tls_dir/cert.pem``); with ``password`` it requires AUTH. ``connection_string`` is what a feature_store.yaml
+    names it by."""
 
     def __init__(self, workdir: Path, port: int | None = None, extra: tuple = (), tls_dir: Path | None = None,
                  password: str | None = None):
-        self.workdir = Path(workdir)
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-        self.extra = list(extra)
+        super().__init__(workdir, port, extra)
         self.tls_dir, self.password = (Path(tls_dir) if tls_dir else None), password
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
     @property
     def connection_string(self) -> str:
@@ -176,28 +146,14 @@ class RedisServer(_Server):
                     str(self.tls_dir / "cert.pem"), "--tls-auth-clients", "no"]
         return args + (["--requirepass", self.password] if self.password else [])
 
-    def start(self) -> "RedisServer":
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (make sysdeps, or apt-get install redis-server)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        log = self.workdir / "redis.log"
-        self.proc = subprocess.Popen([exe, "--bind", "127.0.0.1", *self._args(), "--save", "",
-                                      "--appendonly", "no", *self.extra, "--dir", str(self.workdir),
-                                      "--logfile", str(log)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-
-        def up():
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                    if self.tls_dir or self.password:
-                        return True                           # it listens; the test's own client says the rest
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
-        _wait_for(up, 20, "redis-server", log)
-        return self
+    def _up(self) -> bool:
+        if not (self.tls_dir or self.password):
+            return super()._up()
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return True                           # it listens; the test's own client says the rest
+        except OSError:
+            return False
 
 
 # ------------------------------------------------------------------------------------------------ Feast, browser
@@ -245,7 +201,7 @@ class FeastUI(_Server):
                     return r.status == 200
             except OSError:
                 return False
-        _wait_for(up, 120, "feast ui", log)
+        wait_for(up, 120, "feast ui", log)
         return self
 
 
@@ -348,7 +304,7 @@ class S3Server(_Server):
                     return True
             except OSError:
                 return False
-        _wait_for(up, 30, "moto S3 server", log)
+        wait_for(up, 30, "moto S3 server", log)
         return self
 
     def bucket(self, name: str) -> str:
@@ -405,7 +361,7 @@ class RedisClusterServer:
                 if "cluster_state:ok" not in out.stdout:
                     return False
             return True
-        _wait_for(ok, 30, "redis cluster")
+        wait_for(ok, 30, "redis cluster")
         return self
 
     def __exit__(self, *exc):

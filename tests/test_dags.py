@@ -584,13 +584,14 @@ def test_operator_screens_in_a_real_browser(live_refresh, tmp_path):
     # Feast's own CLI first (`feast apply`, `feature-views list`, `registry-dump`): every entity, view and the
     # FeatureService carry a description and the deployment's owner; each view's tags give its tier, its TTL as
     # configured (an override shows) and the model-version policy.
-    ttls = {"pair_embeddings": "90min", "user_aggregates": "24h", "user_states": "24h", "neighbours": "24h"}
+    ttls = {"pair_embeddings": "90min", "pair_fallbacks": "24h", "user_aggregates": "24h", "user_states": "24h",
+            "neighbours": "24h"}
     repo, feast_env, feast = feast_repo(tmp_path / "feast", {"SOLARIS_OWNER": "ml-platform@example.com",
                                                              "SOLARIS_TTL_PAIR_EMBEDDINGS": "90min"})
     listed, registry = feast("feature-views", "list").stdout, json.loads(feast("registry-dump").stdout)
     views = {v["spec"]["name"]: v["spec"] for v in registry["featureViews"]}
     assert set(views) == set(ttls)
-    for name, tier in (("pair_embeddings", "pair"), ("user_aggregates", "user_aggregate"),
+    for name, tier in (("pair_embeddings", "pair"), ("pair_fallbacks", "item_aware"), ("user_aggregates", "user_aggregate"),
                        ("user_states", "user_state"), ("neighbours", "neighbour")):
         spec = views[name]
         assert name in listed and spec["owner"] == "ml-platform@example.com" and f"TTL {ttls[name]}" in spec[
@@ -598,7 +599,7 @@ def test_operator_screens_in_a_real_browser(live_refresh, tmp_path):
         assert spec["tags"]["tier"] == tier and spec["tags"]["ttl"] == ttls[name], spec["tags"]
         assert "pinned version" in spec["tags"]["model_version_policy"]
     [service] = [f["spec"] for f in registry["featureServices"]]
-    assert service["name"] == "solaris_v2" and service["owner"] == "ml-platform@example.com"
+    assert service["name"] == "solaris_v3" and service["owner"] == "ml-platform@example.com"
     assert "pair_embeddings 90min" in service["tags"]["ttls"] and service["description"]
     entities = {e["spec"]["name"]: e["spec"] for e in registry["entities"]}
     assert all(entities[e]["owner"] == "ml-platform@example.com" and entities[e]["description"]

@@ -89,9 +89,10 @@ def test_transfer_ratio_bootstrap_and_coverage_arithmetic_on_a_hand_made_case():
     # Coverage: rows per tier as served, ages per tier.
     from solaris_jobs.online.coverage import tier_summary
     t = tier_summary(np.array([0, 0, 1, NONE]), np.array([3600.0, 7200.0, 1800.0, np.nan]))
-    assert t["coverage_counts"] == {"pair": 2, "user_aggregate": 1, "user_state": 0, "neighbour": 0, "none": 1}
+    assert t["coverage_counts"] == {"pair": 2, "item_aware": 1, "user_aggregate": 0, "user_state": 0, "neighbour": 0,
+                                    "none": 1}
     assert t["coverage"]["pair"] == 0.5 and t["age_hours"]["neighbour"] is None
-    assert t["age_hours"]["pair"]["mean_h"] == 1.5 and t["age_hours"]["user_aggregate"]["p50_h"] == 0.5
+    assert t["age_hours"]["pair"]["mean_h"] == 1.5 and t["age_hours"]["item_aware"]["p50_h"] == 0.5
     # The pair ceiling: a row counts if its pair was in the log before the last refresh (hourly from 0).
     h = 3_600_000_000
     log_u, log_i, log_t = np.array([1, 1, 2]), np.array([7, 8, 7]), np.array([int(0.5 * h), int(2.2 * h), 3 * h])
@@ -182,6 +183,9 @@ TINY = EvalConfig(
     budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence="3h", fast_hours_before=6.0, fast_hours_after=6.0,
     n_candidates=10, n_boot=50, vm_epochs=2,
     vm_batch_size=512, grid_points=2, spark_master="local[2]",
+    # The production reader's 10 ms would let a loaded 2-core CI machine's scheduling fail reads open at random,
+    # and these tests compare runs row for row: the mechanism is the same, the budget 1 s (declared here).
+    serving_budget_ms=1000.0,
     models=ModelsConfig(d_model=16, n_layers=1, d_interaction=32, d_code=8, history_len=10, fm_epochs=1,
                         vm_epochs=2, max_train_rows=None))
 
@@ -223,7 +227,9 @@ def test_replay_serves_only_what_existed_at_the_request_from_models_trained_befo
     assert len(got) > 0.3 * len(served)
     # Behind each served row: one pair, or the FM embeddings a fallback averages; nothing behind tier none.
     assert (served.n_behind[served.tier == 0] == 1).all() and (served.n_behind[served.tier == NONE] == 0).all()
-    assert (served.n_behind[served.tier.isin([1, 2, 3])] >= 1).all() and served.n_behind[served.tier == 1].max() > 1
+    fallback = served.tier.isin([TIERS.index(t) for t in ("item_aware", "user_aggregate", "user_state", "neighbour")])
+    assert (served.n_behind[fallback] >= 1).all()
+    assert served.n_behind[served.tier.isin([TIERS.index("item_aware"), TIERS.index("user_aggregate")])].max() > 1
     # Every served row is at least 0 s old and was made visible before the request.
     src = got.event_timestamp - pd.to_timedelta(got.age_s, unit="s")
     assert (got.age_s >= 0).all()
@@ -307,7 +313,8 @@ def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, sp
     models = model_refs.resolve(out / "seed0" / "models")
     root = out / "data-seq0.5"
     s = refresh_settings(TINY, root, tmp_path / "offline", out / "seed0" / "models", TINY.budget)
-    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ttls(TINY))
+    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ttls(TINY),
+                             TINY.serving_budget_ms, TINY.serving_cooldown_s, TINY.serving_store)
     events = event_source.EventTable(events_mod.read_events(root))
     direct = replay.run(spark, s, events, models, plan, tmp_path / "direct")
     # The events' Spark copy is one partition per core, not one per Arrow batch of 10,000 rows (every step scans
@@ -376,7 +383,7 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
     assert s_a["tier_value"]["validation"] == s_b["tier_value"]["validation"]
     assert s_a["tier_value"]["test"] != s_b["tier_value"]["test"]
     tv = s_a["tier_value"]["test"]
-    assert set(tv) == {"pair", "user_aggregate", "user_state", "neighbour"} and tv["pair"]["rows"] > 0
+    assert set(tv) == {"pair", "item_aware", "user_aggregate", "user_state", "neighbour"} and tv["pair"]["rows"] > 0
     assert tv["user_state"]["rows"] > 0
     assert all(v["ci"][0] <= v["value"] <= v["ci"][1] and v["carries_value"] == (v["ci"][0] > 0)
                for v in tv.values() if v["rows"])

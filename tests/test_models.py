@@ -55,7 +55,7 @@ def test_forward_shapes_and_no_nan_for_empty_history():
     vm = VerticalModel(VMConfig(user_side=USER_SIDE, item_side=ITEM_SIDE, fm_dim=8))
     assert vm(b)["logit"].shape == (5,) and torch.isfinite(vm(b)["logit"]).all()  # no fm_emb: zeros, tier none
     with_emb = vm({**b, "fm_emb": code.detach(), "tier": torch.zeros(5, dtype=torch.long)})["logit"]
-    assert with_emb.shape == (5,) and len(TIERS) == 5
+    assert with_emb.shape == (5,) and len(TIERS) == 6
 
 
 def test_each_tier_has_its_own_slot_and_the_count_behind_it_is_an_input():

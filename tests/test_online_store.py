@@ -21,6 +21,7 @@ from solaris_jobs.online import store_config
 from solaris_jobs.online.materialize import materialize, materialized_intervals
 from solaris_jobs.online.misses import ParquetSink, drain_misses
 from solaris_jobs.online.reader import FeatureReader
+from solaris_jobs.online.views import views
 from tests.support import ML_END, ML_START, feast_yaml, free_port, RedisServer
 
 REPO = Path(__file__).resolve().parent.parent / "feature_repo"
@@ -121,7 +122,7 @@ def _feast(yaml_path: Path, offline: str, monkeypatch):
 
 def _offline(job):
     return {name: layout.read_table(job.offline, name, ML_END).to_pandas()
-            for name in ("pair_embeddings", "user_aggregates", "user_states", "neighbours")}
+            for name in views()}
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +170,7 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     # The stock Feast SDK reads back exactly the offline values, through the versioned FeatureService.
     fs = _feast(cfg.yaml_path, offline, monkeypatch)
     pairs = off["pair_embeddings"].sample(40, random_state=0)
-    res = fs.get_online_features(features=fs.get_feature_service("solaris_v2"), full_feature_names=True,
+    res = fs.get_online_features(features=fs.get_feature_service("solaris_v3"), full_feature_names=True,
                                  entity_rows=[{"user_id": int(u), "item_id": int(i)}
                                               for u, i in zip(pairs.user_id, pairs.item_id)]).to_df()
     np.testing.assert_array_equal(np.stack(res["pair_embeddings__embedding"]), np.stack(pairs.embedding))
@@ -179,6 +180,13 @@ def test_materialize_redis_feast_reads_it_ttls_and_reruns(ml_run, redis_server, 
     assert res["user_aggregates__n_pairs"].tolist() == agg.n_pairs.tolist()
     st = off["user_states"].set_index("user_id").loc[pairs.user_id]
     np.testing.assert_array_equal(np.stack(res["user_states__embedding"]), np.stack(st.embedding))
+    fb = off["pair_fallbacks"].sample(20, random_state=0)          # in the pair's hash, beside its own fields
+    res = fs.get_online_features(features=fs.get_feature_service("solaris_v3"), full_feature_names=True,
+                                 entity_rows=[{"user_id": int(u), "item_id": int(i)}
+                                              for u, i in zip(fb.user_id, fb.item_id)]).to_df()
+    np.testing.assert_array_equal(np.stack(res["pair_fallbacks__embedding"]), np.stack(fb.embedding))
+    assert res["pair_fallbacks__n_pairs"].tolist() == fb.n_pairs.tolist() and res[
+        "pair_embeddings__embedding"].isna().all()
     nb = off["neighbours"].set_index("user_id")
     for u, ids, emb in zip(res.user_id, res["neighbours__neighbour_ids"], res["neighbours__embedding"]):
         if u in nb.index:
@@ -267,7 +275,7 @@ def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(m
     assert shown["state"] == "done" and shown["requests"] == written["requests"] > 0
     assert [shown[f"coverage_{t}"] for t in written["coverage"]] == [round(v, 4) for v in written["coverage"].values()]
     assert st["online"]["latest_materialized_end"] == ML_END.isoformat() and st["online"]["age_hours"] == 2.0
-    assert st["online"]["keys"] == {"pair_embeddings": len(pairs),
+    assert st["online"]["keys"] == {"pair_embeddings": len(pairs), "pair_fallbacks": len(off["pair_fallbacks"]),
                                     "user_aggregates": off["user_aggregates"].user_id.nunique(),
                                     "user_states": off["user_states"].user_id.nunique(),
                                     "neighbours": off["neighbours"].user_id.nunique()}
@@ -339,6 +347,12 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
     np.testing.assert_array_equal(g.embeddings, np.repeat(nb.loc[nb_only[0]].embedding[None], 5, 0))
     assert (g.counts == nb.loc[nb_only[0]].n_neighbours).all() and nb.loc[nb_only[0]].n_neighbours > 0
     without.close()
+    # A pool pair the FM did not embed: its item-aware fallback (the user's pairs weighted by their items'
+    # similarity), ahead of the user aggregate.
+    fb = off["pair_fallbacks"].iloc[0]
+    g = reader.read(int(fb.user_id), [int(fb.item_id)], ML_END + HOUR)
+    assert g.tier_names() == ["item_aware"] and g.counts[0] == fb.n_pairs > 0
+    np.testing.assert_array_equal(g.embeddings[0], fb.embedding)
     with pytest.raises(ValueError, match=r"unknown fallback tiers \['pair'\]"):
         FeatureReader(store, version, dim, misses=None, tiers=("pair",))
     # Another model version than the VM's is never served.
@@ -351,7 +365,8 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
 
     # Misses: every pair served without a fresh pair embedding, recorded for the next refresh.
     reader.close()
-    expected = 4 * len(items) - n + 5            # 4 reads of `items` (the first serves n pairs) + 5 neighbour rows
+    # 4 reads of `items` (the first serves n pairs) + 5 user-state rows + the item-aware row
+    expected = 4 * len(items) - n + 5 + 1
     assert reader.metrics.counts["misses_queued"] == expected
     folder = tmp_path / "offline" / "misses"
     if store.kind == "redis":
@@ -359,7 +374,7 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
         assert st["pairs"] == expected
         assert redis.Redis(port=redis_server.port).xlen(f"solaris:{store.project}:misses") == 0
     got = pd.read_parquet(folder)
-    assert len(got) == expected and set(got.item_id) == set(unknown) | set(mine.item_id)
+    assert len(got) == expected and set(got.item_id) == set(unknown) | set(mine.item_id) | {fb.item_id}
 
     # A store that is down, or slower than the budget, fails open: zeros, tier none, counted, no exception; and
     # queues no misses (an outage would flood the queue with pairs that may well be in the store).
@@ -389,6 +404,17 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
         down._reset()
         dead = down.read(user, items, ML_END + HOUR)
         assert dead.failed_open and set(dead.tier_names()) == {"none"}
+        # The cooldown on an injected clock (a replay's request clock): skipped until 60 s later on that clock.
+        now = [0.0]
+        replayed = FeatureReader(store, version, dim, cooldown_s=60.0, misses=None, clock=lambda: now[0])
+        assert replayed.read(user, items, ML_END + HOUR).failed_open
+        now[0] = 59.0
+        store.sqlite_path.with_suffix(".moved").rename(store.sqlite_path)
+        assert replayed.read(user, items, ML_END + HOUR).failed_open
+        assert replayed.metrics.counts["fail_open_cooldown"] == 1
+        now[0] = 60.5
+        assert not replayed.read(user, items, ML_END + HOUR).failed_open
+        replayed.close()
     failed = down.metrics.counts["fail_open"] + down.metrics.counts["fail_open_cooldown"]
     assert failed == (3 if store.kind == "redis" else 1)
     assert down.metrics.counts["misses_skipped_fail_open"] == failed * len(items)

@@ -277,9 +277,23 @@ def test_aggregate_window_counts_a_pair_once_and_only_this_version(spark):
         "embedding": [np.array(r[2], np.float32) for r in rows],
         "event_timestamp": [T - dt.timedelta(hours=r[3]) for r in rows], "model_version": [r[4] for r in rows]}),
         "user_id long, item_id long, embedding array<float>, event_timestamp timestamp, model_version string")
-    got = aggregates.user_aggregates(df, pd.Timestamp(T, tz="UTC"), 24, "v1").toPandas().set_index("user_id")
+    cut = pd.Timestamp(T, tz="UTC")
+    latest = aggregates.latest_pairs(df, cut, 24, "v1")
+    got = aggregates.user_aggregates(latest, cut, "v1").toPandas().set_index("user_id")
     assert got.loc[1, "embedding"].tolist() == [1.5, 1.0] and got.loc[1, "n_pairs"] == 2
     assert got.loc[2, "embedding"].tolist() == [1.0, 1.0]
+    # Item-aware fallbacks: user 1's pairs (10: [3, 0], 11: [0, 2]) weighted by their items' similarity to the
+    # target's: item 20 points as item 10 (cosine 1 against 0), so softmax([1, 0] / 0.1); item 21 has no vector
+    # (equal weights); user 3 has no embedded pair (no row).
+    ids, vecs = np.array([10, 11, 20]), np.array([[1, 0], [0, 1], [1, 0]], np.float32)
+    targets = spark.createDataFrame(pd.DataFrame({"user_id": [1, 1, 2, 3], "item_id": [20, 21, 21, 10]}))
+    fb = {(r.user_id, r.item_id): r for r in aggregates.item_aware_fallbacks(targets, latest, ids, vecs, cut, "v1",
+                                                                             0.1).collect()}
+    w = 1 / (1 + np.exp(-10.0))
+    assert sorted(fb) == [(1, 20), (1, 21), (2, 21)]
+    np.testing.assert_allclose(fb[1, 20].embedding, [3 * w, 2 * (1 - w)], rtol=1e-5)
+    np.testing.assert_allclose(fb[1, 21].embedding, [1.5, 1.0], rtol=1e-6)
+    assert fb[1, 20].n_pairs == 2 and fb[2, 21].embedding == [1.0, 1.0] and fb[2, 21].model_version == "v1"
 
 
 def test_negative_exclusion_over_consecutive_runs_on_synthetic(spark, synth_root, synth_models, tmp_path):

@@ -4,6 +4,7 @@ import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from solaris_jobs.core import settings as st
@@ -53,6 +54,16 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
     assert apart == {"lookback_days": (30.0, None)}, apart
     assert ttls(cfg) == st.ttl_env(st.VIEW_TTLS)
     assert default.expire_from == evaluated.expire_from
+    # The replays serve as production does: the production store kind, the serving reader's own budget and cooldown.
+    import inspect
+
+    from solaris_jobs.learning.replay import ReplayPlan
+    from solaris_jobs.online.reader import FeatureReader
+    reader = inspect.signature(FeatureReader).parameters
+    plan = ReplayPlan(pd.Timestamp(0), pd.Timestamp(1), pd.Timedelta("1h"))
+    production = (reader["budget_ms"].default, reader["cooldown_s"].default)
+    assert (plan.budget_ms, plan.cooldown_s) == (cfg.serving_budget_ms, cfg.serving_cooldown_s) == production
+    assert cfg.serving_store == "redis"
     # The refresh DAG's default schedule is the evaluation's hourly cadence.
     assert cfg.cadence == "1h" and '"SOLARIS_REFRESH_CRON", "0 * * * *"' in (ROOT / "dags" /
                                                                             "solaris_refresh.py").read_text()

@@ -5,7 +5,7 @@ FM embeds, and the version string of the embeddings in the store.
 from __future__ import annotations
 
 # The VM's tier one-hot and the reader's tier codes, in the order the reader falls back through them.
-TIERS = ("pair", "user_aggregate", "user_state", "neighbour", "none")
+TIERS = ("pair", "item_aware", "user_aggregate", "user_state", "neighbour", "none")
 TIER_NONE = TIERS.index("none")
 
 N_GAP_BUCKETS = 33          # 0 = padding, 1..32 = 1 + floor(log2(1 + seconds))

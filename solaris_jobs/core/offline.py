@@ -46,8 +46,8 @@ from solaris_jobs.core.uris import filesystem, join
 logger = logging.getLogger(__name__)
 
 DATASETS = ("rejects", "selection", "user_histories", "user_counters", "item_counters", "covisit_counts",
-            "user_seeds", "pair_embeddings", "embedding_rejects", "user_aggregates", "user_embeddings", "user_states",
-            "neighbours")
+            "user_seeds", "pair_embeddings", "embedding_rejects", "user_aggregates", "pair_fallbacks", "user_embeddings",
+            "user_states", "neighbours")
 # The interval's state: written by select from its read of the log, read by embed and neighbours instead of the
 # log (``solaris_jobs.pipeline.jobs``); a cache of the log, not an output.
 STATE_DATASETS = ("user_histories", "user_counters", "item_counters")

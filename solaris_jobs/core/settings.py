@@ -86,7 +86,11 @@ class PrecomputeConfig:
             whose intermediates outgrow the CPU's caches in large batches: ``benchmarks/fm_inference.py
             --user-embedding`` measured 5.2K users/s per thread at 128 against 3.3K at 1024, identical vectors).
         device: torch device for the models (``auto``: CUDA when present).
-        aggregate_hours: window of the user aggregate.
+        aggregate_hours: window of the user aggregate (and of the pairs behind an item-aware fallback).
+        item_aware_temperature: the item-aware fallback of a pair (u, j) ranked, missed or left out by the
+            selection lately without a pair embedding weighs u's embedded pairs (u, i) by softmax(cos(item j,
+            item i) / this) over the FM's item embeddings; 0.1 (fixed before any run: a cosine 0.1 lower weighs e
+            times less, so the most similar few items dominate).
         knn_k: neighbours per user; knn_exact_max: above this many users, HNSW replaces exact search, with
             ``knn_hnsw_m`` links per node and ``knn_ef_search`` (``benchmarks/knn_scale.py`` measured the choice).
         knn_requery: ``all``: every user with history is embedded and queried each interval; ``active``: only
@@ -124,6 +128,7 @@ class PrecomputeConfig:
     user_batch_size: int = Field(128, ge=1)
     device: str = "auto"
     aggregate_hours: float = Field(24.0, gt=0)
+    item_aware_temperature: float = Field(0.1, gt=0)
     knn_k: int = Field(10, ge=1)
     knn_exact_max: int = Field(100_000, ge=0)
     knn_hnsw_m: int = Field(32, ge=4)
@@ -180,6 +185,8 @@ _describe(PrecomputeConfig, {
     "state_keep_hours": "Select removes the state of intervals that end more than this many hours before its own (a "
                         "rerun of one rebuilds it from the log).",
     "aggregate_hours": "Window of the user aggregate.",
+    "item_aware_temperature": "The item-aware fallback weighs the user's embedded pairs by softmax(item cosine "
+                              "similarity / this).",
     "miss_hours": "Serving misses recorded this many hours before T are forced into the selection.",
     "device": "Torch device for the models (auto: CUDA when present).",
 })
@@ -392,6 +399,7 @@ FLAGS = (
     Flag("--state-rebuild-hours", "precompute.state_rebuild_hours", "float"),
     Flag("--state-keep-hours", "precompute.state_keep_hours", "float"),
     Flag("--aggregate-hours", "precompute.aggregate_hours", "float"),
+    Flag("--item-aware-temperature", "precompute.item_aware_temperature", "float"),
     Flag("--miss-hours", "precompute.miss_hours", "float"),
     Flag("--device", "precompute.device", "str"),
 )
@@ -533,7 +541,8 @@ def model_registry(env=None) -> Path:
 
 # ------------------------------------------------------------------------------------------------ store, cache
 
-VIEW_TTLS = {"pair_embeddings": "24h", "user_aggregates": "24h", "user_states": "24h", "neighbours": "24h"}
+VIEW_TTLS = {"pair_embeddings": "24h", "pair_fallbacks": "24h", "user_aggregates": "24h", "user_states": "24h",
+             "neighbours": "24h"}
 
 
 def view_ttl(view: str, env=None) -> tuple[str, str]:

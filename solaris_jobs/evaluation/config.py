@@ -9,6 +9,7 @@ from pathlib import Path
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation.protocol import ModelsConfig
 from solaris_jobs.evaluation.variants import GRID_SIZE
+from solaris_jobs.online.reader import READER_BUDGET_MS, READER_COOLDOWN_S
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,11 @@ class EvalConfig:
     cadence: str = "1h"
     delay: str = "10min"
     label_delay_minutes: float = 30.0                      # labels arrive 30 min after their event (#40)
+    serving_store: str = "redis"                           # the replays' store: the production kind (#40)
+    serving_budget_ms: float = READER_BUDGET_MS            # the replays' reader: the production reader's budget
+    serving_cooldown_s: float = READER_COOLDOWN_S          # and cooldown (on the requests' clock)
     ttl_pair: str = "24h"
+    ttl_item_aware: str = "24h"
     ttl_aggregate: str = "24h"
     ttl_user_state: str = "24h"
     ttl_neighbour: str = "24h"
@@ -92,8 +97,9 @@ def movielens_config(**kw) -> EvalConfig:
     """MovieLens-100K: the 80/10/10 time split of DESIGN.md (t1, t2 at the 80% and 90% quantiles); people rate in
     bursts weeks apart, so a daily refresh with week-long windows and TTLs; no sequence-share sweep and no curves
     (reported with intervals, no target)."""
-    base = dict(dataset="movielens", cadence="1d", delay="10min", ttl_pair="7d", ttl_aggregate="7d",
-                ttl_neighbour="7d", ttl_user_state="7d", aggregate_hours=168.0, active_hours=168.0, recent_hours=168.0,
+    base = dict(dataset="movielens", cadence="1d", delay="10min", ttl_pair="7d", ttl_item_aware="7d",
+                ttl_aggregate="7d", ttl_neighbour="7d", ttl_user_state="7d", aggregate_hours=168.0,
+                active_hours=168.0, recent_hours=168.0,
                 slow_cadence=7, fast_cadence=None, sequence_shares=(), curves=False,
                 models=ModelsConfig(max_train_rows=None, fm_epochs=3, vm_epochs=8, batch_size=256))
     return EvalConfig(**{**base, **kw})
@@ -118,5 +124,6 @@ def refresh_settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Pat
 def ttls(cfg: EvalConfig) -> dict:
     """The online views' TTLs of ``cfg`` (as the materializer takes them)."""
     from solaris_jobs.core.settings import ttl_env
-    return ttl_env({"pair_embeddings": cfg.ttl_pair, "user_aggregates": cfg.ttl_aggregate,
-                    "user_states": cfg.ttl_user_state, "neighbours": cfg.ttl_neighbour})
+    return ttl_env({"pair_embeddings": cfg.ttl_pair, "pair_fallbacks": cfg.ttl_item_aware,
+                    "user_aggregates": cfg.ttl_aggregate, "user_states": cfg.ttl_user_state,
+                    "neighbours": cfg.ttl_neighbour})

@@ -3,8 +3,8 @@
 A budgeted selection is one global ranking of the pool cut at ``ceil(budget x expected rows)`` (``selection.
 select_budget``); the pool, the ranking and every embedding do not depend on the budget. So the selection at a
 smaller budget is the larger one's top ``ceil(b x expected rows)`` pairs, and the replay at that budget follows
-from it exactly: keep those pair embeddings, recompute the user aggregates over them with the aggregate job
-itself (``jobs.aggregate``) and the neighbour embeddings from the same neighbour lists (``aggregates.
+from it exactly: keep those pair embeddings, recompute the user aggregates and the item-aware fallbacks over them
+with the aggregate job itself (``jobs.aggregate``) and the neighbour embeddings from the same neighbour lists (``aggregates.
 neighbour_embeddings``), then serve the same requests again through ``FeatureReader`` with the refreshes visible
 when the replay made them visible (``replay.serve_again``). A cadence of m x the replay's takes every m-th refresh
 with m times the budget (the refresh at T sees the same log and pool; its budget covers m intervals' rows). Misses
@@ -15,6 +15,7 @@ visibility time from the hourly replay; it is not compared with a replay run at 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -63,7 +64,7 @@ def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.Repl
         n = spark.read.parquet(staged.path).count()
         staged.publish({"interval_end": T.isoformat(), "derived_from": s.offline, "budget_per_row": budget,
                         "budget_pairs": n_keep, "pairs": n, "models": models.to_dict()})
-        jobs.aggregate(spark, derived, T - period, T, models=models, clock=lambda T=T: T)
+        jobs.aggregate(spark, derived, T - period, T, events=events, models=models, clock=lambda T=T: T)
         lists = off.read_interval(spark, s.offline, "neighbours", T).select("user_id", "neighbour_ids",
                                                                            "similarities")
         agg = off.read_interval(spark, derived.offline, "user_aggregates", T)
@@ -73,7 +74,7 @@ def derive(spark, s: Settings, record: dict, models: ModelSet, plan: replay.Repl
         off.write_interval(off.read_table(s.offline, "user_states", T), derived.offline, "user_states", T,
                            {"interval_end": T.isoformat(), "derived_from": s.offline})
         visible.append((T, pd.Timestamp(r["visible_at"])))
-    dplan = replay.ReplayPlan(plan.start, plan.end, period, plan.delay, plan.ttls)
+    dplan = replace(plan, every=period)
     res = replay.serve_again(derived, models, dplan, events, visible, out)
     res.update(budget_per_row=budget, cadence=str(period), derived_from=str(s.offline))
     return res

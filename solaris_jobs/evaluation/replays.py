@@ -18,6 +18,7 @@ import pyarrow as pa
 from solaris_jobs.evaluation import curves
 from solaris_jobs.evaluation.config import EvalConfig, refresh_settings
 from solaris_jobs.evaluation.protocol import REPLAY_CODE, Protocol, code_version, data_version
+from solaris_jobs.online.views import views
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def cached_json(path: Path, key: dict) -> dict | None:
 def run_replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budget: float,
                warm: Callable | None = None, warm_key: str = "") -> dict:
     """The replay ``plan`` at ``budget`` into ``ctx.out / name`` (reused when run before for the same inputs and
-    code); ``warm(settings, out)`` gives the online store it starts from (``warm_key`` names what it holds)."""
+    code); ``warm(settings, store)`` fills the online store it starts from (``warm_key`` names what it holds)."""
     from solaris_jobs.learning import replay
     out = ctx.out / name
     key = {"cfg": ctx.cfg.replay_key(), "seed": ctx.seed, "models": models.to_dict(), "plan": str(plan),
@@ -60,10 +61,10 @@ def run_replay(ctx: SeedContext, models, models_dir: Path, name: str, plan, budg
     if out.exists():
         shutil.rmtree(out)
     s = refresh_settings(ctx.cfg, ctx.root, out / "offline", models_dir, budget)
-    store = None
-    if warm is not None:
-        store = warm(s, out)
-    rec = replay.run(ctx.spark, s, ctx.events, models, plan, out, store=store)
+    with replay.serving_store(out / "online", plan.store) as store:
+        if warm is not None:
+            warm(s, store)
+        rec = replay.run(ctx.spark, s, ctx.events, models, plan, out, store=store)
     rec["budget_per_row"] = budget
     (out / "replay.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
     (out / "done.json").write_text(json.dumps({"key": key}, default=str) + "\n")
@@ -113,19 +114,17 @@ def warm_from(head_offline: str, refreshes: list[dict], every: pd.Timedelta, ttl
     """A ``warm`` for ``run_replay``: the replay's store and offline outputs start with the outputs of
     ``refreshes`` (records of a replay whose offline store is ``head_offline``), materialized as that replay made
     them visible."""
-    def warm(s, out):
+    def warm(s, store):
         from solaris_jobs.core import offline as off
         from solaris_jobs.learning import replay
         from solaris_jobs.online.materialize import materialize
-        store = replay.replay_store(out / "online")
         for r in refreshes:
             T = pd.Timestamp(r["cutoff"])
-            for ds in ("pair_embeddings", "user_aggregates", "user_states", "neighbours"):
+            for ds in views():                     # every online view's offline dataset
                 off.write_interval(off.read_table(head_offline, ds, T), s.offline, ds, T,
                                    off.read_stats(head_offline, ds, T))
-            materialize(store, s.offline, T, expire_from="event", now=pd.Timestamp(r["visible_at"]),
+            materialize(store, s.offline, T, **replay.expiry(store, pd.Timestamp(r["visible_at"])),
                         start=T - every, env=dict(ttls))
-        return store
     return warm
 
 

@@ -61,7 +61,8 @@ def replay_base(ctx: SeedContext, with_curves: bool) -> BaseReplay:
     cfg, P = ctx.cfg, ctx.protocol
     models_dir = ctx.out / "models"
     models = model_refs.resolve(models_dir, ("fm", "ae", "vm"))
-    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(cfg.cadence), pd.Timedelta(cfg.delay), ttls(cfg))
+    plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(cfg.cadence), pd.Timedelta(cfg.delay), ttls(cfg),
+                             cfg.serving_budget_ms, cfg.serving_cooldown_s, cfg.serving_store)
     budget = max(max(cfg.budgets), cfg.budget * cfg.slow_cadence) if with_curves else cfg.budget
     name = f"replay-b{budget:g}"
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ fast cadence's own replay; the all-tiers VM keeps the headline's hyperparameters
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -60,7 +61,7 @@ def fast_cadence(ctx: SeedContext, base: BaseReplay, tab, fits: dict) -> dict:
     head_offline = str((head_dir or base.out) / "offline")
     warm = warm_from(head_offline, [r for r in base.record["refreshes"] if pd.Timestamp(r["cutoff"]) < switch],
                      plan.every, plan.ttls)
-    fplan = replay.ReplayPlan(switch, stop, fast, plan.delay, plan.ttls)
+    fplan = replace(plan, start=switch, end=stop, every=fast)
     t0 = time.perf_counter()
     name = f"replay-fast-{cfg.fast_cadence}"
     rec = run_replay(ctx, base.models, Path(base.models.fm.path).parent, name, fplan, cfg.budget, warm=warm,

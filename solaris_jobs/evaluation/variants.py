@@ -43,8 +43,8 @@ from solaris_jobs.evaluation.protocol import VARIANT_CODE, code_version
 
 logger = logging.getLogger(__name__)
 
-T_PAIR, T_AGG, T_STATE, T_NB = (TIERS.index(t) for t in ("pair", "user_aggregate", "user_state", "neighbour"))
-ALL = (T_PAIR, T_AGG, T_STATE, T_NB)
+T_PAIR, T_AGG = TIERS.index("pair"), TIERS.index("user_aggregate")
+ALL = tuple(range(TIER_NONE))              # every tier that serves an embedding
 BASE_GRID = [{"lr": lr, "weight_decay": wd, "dropout": do}
              for lr, (wd, do) in itertools.product((3e-3, 1e-2), ((0.0, 0.1), (0.0, 0.3), (1e-4, 0.3)))]
 # KD's weight is per soft-labelled row (``VerticalModel.loss``): the soft label's share of each row that has one.

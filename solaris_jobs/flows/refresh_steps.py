@@ -82,7 +82,7 @@ def drain_miss_stream(s: Settings, start=None, end=None, **_) -> dict:
 
 def materialize_interval(s: Settings, start, end, *, clock=None, views=None, always_check: bool = False,
                          **_) -> dict:
-    """The interval's four views into the online store (``solaris_jobs.online.materialize``), expiring by the clock."""
+    """The interval's five views into the online store (``solaris_jobs.online.materialize``), expiring by the clock."""
     from solaris_jobs.online.materialize import materialize
     start, end = interval(start, end)
     return materialize(store(s), s.offline, end, views, expire_from=s.expire_from, start=start,

@@ -16,6 +16,7 @@ for a pair, the aggregate's pairs, the neighbours; 0 for none), and the refresh 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
@@ -31,6 +32,7 @@ from solaris_jobs.core import offline as off
 from solaris_jobs.core.events import to_utc
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.online.coverage import Server
+from solaris_jobs.online.reader import READER_BUDGET_MS, READER_COOLDOWN_S
 from solaris_jobs.online.store_config import StoreConfig
 from solaris_jobs.pipeline import jobs
 from solaris_jobs.pipeline.event_source import EventTable, event_source
@@ -50,12 +52,21 @@ class ReplayPlan:
         delay: the declared latency bound: a refresh's outputs are visible this long after its cutoff (longer when
             the measured latency is longer).
         ttls: the views' TTLs as environment (``settings.ttl_env``) for materialization and serving.
+        budget_ms, cooldown_s: the serving reader's time budget and cooldown after a failure (``FeatureReader``'s
+            defaults: what production serves with; the cooldown on the requests' clock). A read that times out
+            fails open, as in serving (only a Redis store times out).
+        store: the online store the replay serves from when none is given (``serving_store``): ``sqlite`` (the
+            embedded default) or ``redis`` (a local redis-server: the production store kind, misses through the
+            Redis stream and its drain).
     """
     start: pd.Timestamp
     end: pd.Timestamp
     every: pd.Timedelta
     delay: pd.Timedelta = pd.Timedelta(minutes=10)
     ttls: dict = field(default_factory=dict)
+    budget_ms: float = READER_BUDGET_MS
+    cooldown_s: float = READER_COOLDOWN_S
+    store: str = "sqlite"
 
     def cutoffs(self) -> list[pd.Timestamp]:
         out, t = [], to_utc(self.start)
@@ -76,6 +87,29 @@ def replay_store(folder: Path, project: str = "solaris_replay") -> StoreConfig:
                        sqlite_path=path)
 
 
+@contextlib.contextmanager
+def serving_store(folder: Path, kind: str = "sqlite", project: str = "solaris_replay"):
+    """A fresh online store for one replay, as a context: SQLite under ``folder`` (``replay_store``), or a local
+    ``redis-server`` with its files under ``folder`` (stopped on leaving)."""
+    if kind == "sqlite":
+        yield replay_store(folder, project)
+    elif kind == "redis":
+        from solaris_jobs.dev.redis_local import LocalRedis
+        folder.mkdir(parents=True, exist_ok=True)
+        with LocalRedis(folder / "redis") as server:
+            yield server.store(project, repo=folder)
+    else:
+        raise ValueError(f"replay store {kind!r}: use 'sqlite' or 'redis'")
+
+
+def expiry(store: StoreConfig, now) -> dict:
+    """How a replay's materialization at replay time ``now`` sets keys' expiry: on SQLite from the event on the
+    replay's clock; on Redis, whose expiry runs on the server's wall clock (where a logged period's events plus their
+    TTL are long past: every key would vanish as written), from the write on the wall clock. The reader checks each
+    row's TTL against the request's time either way, so what is served is the same."""
+    return {"expire_from": "event", "now": now} if store.kind == "sqlite" else {"expire_from": "write", "now": None}
+
+
 def _write(out: Path, server: Server, result: dict) -> dict:
     pq.write_table(server.table(), out / "served.parquet")
     result.update(rows=int(server.events.num_rows), requests=int(server.n_requests), serving=server.metrics())
@@ -92,11 +126,14 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
         events: the whole log (an ``EventTable``, read once); only rows before each cutoff reach its refresh.
         models: the FM, autoencoder and verifier, resolved once (trained before ``plan.start``).
         dim: the embedding width (default: the autoencoder's code width).
-        store: the online store (default: a fresh SQLite store under ``out``).
+        store: the online store (default: a fresh store of ``plan.store`` under ``out``).
 
     Returns:
         The replay's record: per refresh its stats, latency and visibility, the serving metrics, wall time.
     """
+    if store is None:
+        with serving_store(Path(out) / "online", plan.store) as fresh:
+            return run(spark, s, events, models, plan, out, dim=dim, store=fresh, progress=progress)
     from solaris_jobs.online.materialize import materialize
     t_all = time.perf_counter()
     out = Path(out)
@@ -107,10 +144,10 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
     cutoffs = plan.cutoffs()
     if not cutoffs:
         raise ValueError(f"replay plan {plan}: no refresh between start and end")
-    store = store or replay_store(out / "online")
     env = dict(plan.ttls)
     server = Server(source.table(cutoffs[0], plan.end), store, models.embedding_version,
-                    dim or int(models.ae.config["d_code"]), env, off.misses_uri(s.offline))
+                    dim or int(models.ae.config["d_code"]), env, offline=s.offline, budget_ms=plan.budget_ms,
+                    cooldown_s=plan.cooldown_s)
     record = []
     bar = None
     if progress:
@@ -124,11 +161,11 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
             latency = pd.Timedelta(seconds=mat_t0 - t0)
             visible = T + max(plan.delay, latency)
             n_before = server.serve_until(visible)          # still served by the previous refresh's outputs
-            mat = materialize(store, s.offline, T, expire_from="event", now=visible, start=T - plan.every,
+            mat = materialize(store, s.offline, T, **expiry(store, visible), start=T - plan.every,
                               env=env)
             server.refresh = k
             n_after = server.serve_until(cutoffs[k + 1] if k + 1 < len(cutoffs) else plan.end)
-            server.flush_misses()                           # where the next selection reads them
+            drained = server.flush_misses()                 # where the next selection reads them
             sel = stats["select"]
             # Visibility is decided before materializing (requests before it are served first); the flag also
             # counts the materialization's own time, measured now.
@@ -143,6 +180,7 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
                            "users_embedded": stats["neighbours"]["users_embedded"],
                            "neighbours": stats["neighbours"]["users_with_neighbour_embedding"],
                            "written": {v: m["written"] for v, m in mat["views"].items()},
+                           "misses_drained": drained["pairs"] if drained else None,
                            "seconds": {st: stats[st]["seconds"] for st in stats}})
             if bar is not None:
                 bar.update(1)
@@ -155,28 +193,31 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
         server.close()
     return _write(out, server, {
         "kind": "replay", "refreshes": record, "embedding_version": models.embedding_version, "dim": server.dim,
+        "store": store.kind, "budget_ms": plan.budget_ms, "cooldown_s": plan.cooldown_s,
         "ttls": env, "every": str(plan.every), "delay": str(plan.delay), "start": to_utc(plan.start).isoformat(),
         "end": to_utc(plan.end).isoformat(), "wall_s": round(time.perf_counter() - t_all, 1)})
 
 
 def serve_again(s: Settings, models: ModelSet, plan: ReplayPlan, events, visible: list[tuple[pd.Timestamp,
-                pd.Timestamp]], out: Path, *, dim: int | None = None) -> dict:
+                pd.Timestamp]], out: Path, *, dim: int | None = None, store: StoreConfig | None = None) -> dict:
     """Serves the same requests again from outputs already in ``s.offline`` (no refresh): refresh ``T`` becomes
     visible at its time in ``visible`` ((cutoff, visible_at) pairs, in order), as recorded by the replay they
     derive from. The budget and cadence curves use it (``solaris_jobs.evaluation.curves``)."""
+    if store is None:
+        with serving_store(Path(out) / "online", plan.store) as fresh:
+            return serve_again(s, models, plan, events, visible, out, dim=dim, store=fresh)
     from solaris_jobs.online.materialize import materialize
     t_all = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     source = event_source(events)
-    store = replay_store(out / "online")
     env = dict(plan.ttls)
     server = Server(source.table(plan.start, plan.end), store, models.embedding_version,
-                    dim or int(models.ae.config["d_code"]), env)
+                    dim or int(models.ae.config["d_code"]), env, budget_ms=plan.budget_ms, cooldown_s=plan.cooldown_s)
     try:
         for k, (T, at) in enumerate(visible):
             server.serve_until(at)
-            materialize(store, s.offline, T, expire_from="event", now=at, start=T - plan.every, env=env)
+            materialize(store, s.offline, T, **expiry(store, at), start=T - plan.every, env=env)
             server.refresh = k
         server.serve_until(plan.end)
     finally:

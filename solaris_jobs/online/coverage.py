@@ -34,15 +34,26 @@ def group_requests(events: pa.Table) -> pd.DataFrame:
 class Server:
     """Serves the logged requests of a period through ``FeatureReader``, in time order, and records what each row
     got: ``serve_until(t)`` serves every request before ``t`` not served yet; ``refresh`` is the refresh whose
-    outputs the store holds (recorded with each row). Misses (with ``misses_dir``) are written when
-    ``flush_misses`` is called: one file per refresh interval."""
+    outputs the store holds (recorded with each row).
+
+    ``budget_ms`` and ``cooldown_s`` are the reader's (the replay evaluation passes the production reader's; the
+    cooldown runs on the requests' clock, so it lasts as long in replayed time as in serving). With ``offline``,
+    misses go where the next selection reads them when ``flush_misses`` is called (at each refresh interval's
+    end): on a Redis store through the miss stream and its drain (``misses.drain_misses``, as the refresh DAG
+    does), else as parquet under ``<offline>/misses/``. The miss queue holds a million requests (flushed at each
+    interval's end: a replay serves an hour of requests in seconds, and the reader's default bound, meant for
+    requests spread over that hour, would drop what serving would not)."""
 
     def __init__(self, events: pa.Table, store: StoreConfig, version: str, dim: int, env: dict,
-                 misses_dir: str | None = None):
-        self.events, self.dim = events, dim
-        self.reader = FeatureReader(store, version, dim, budget_ms=1000.0, cooldown_s=0.0,
-                                    misses="auto" if misses_dir else None, misses_dir=misses_dir,
-                                    miss_queue_size=1_000_000, env=env, miss_flush_s=3600.0)
+                 offline: str | None = None, budget_ms: float = 1000.0, cooldown_s: float = 0.0):
+        from solaris_jobs.core.offline import misses_uri
+        self.events, self.dim, self.store, self.offline = events, dim, store, offline
+        self._now_s = 0.0                    # the request being served: the reader's cooldown runs on replayed time
+        self.reader = FeatureReader(store, version, dim, budget_ms=budget_ms, cooldown_s=cooldown_s,
+                                    misses="auto" if offline else None,
+                                    misses_dir=misses_uri(offline) if offline else None,
+                                    miss_queue_size=1_000_000, env=env, miss_flush_s=3600.0,
+                                    clock=lambda: self._now_s)
         req = group_requests(events)
         self.ts, self.users, self.items = req["ts_us"].to_numpy(), req["user_id"].to_numpy(), req["item_id"].to_numpy()
         self.rows = req["row"].to_numpy()
@@ -65,7 +76,8 @@ class Server:
         edges = np.append(self.starts, len(self.ts))
         for j in range(self.cursor, stop):
             r0, r1 = edges[j], edges[j + 1]
-            f = self.reader.read(int(self.users[r0]), self.items[r0:r1], self.ts[r0] / 1e6)
+            self._now_s = self.ts[r0] / 1e6
+            f = self.reader.read(int(self.users[r0]), self.items[r0:r1], self._now_s)
             idx = self.rows[r0:r1]
             self.emb[idx], self.tier[idx], self.age[idx], self.count[idx] = f.embeddings, f.tiers, f.ages_s, f.counts
             self.refresh_of[idx] = self.refresh
@@ -73,9 +85,15 @@ class Server:
         self.cursor = max(stop, self.cursor)
         return int(served)
 
-    def flush_misses(self) -> None:
-        if self.reader.misses is not None:
-            self.reader.misses.flush()
+    def flush_misses(self) -> dict | None:
+        """Writes the queued misses where the next selection reads them; the drain's counts on a Redis store."""
+        if self.reader.misses is None:
+            return None
+        self.reader.misses.flush()
+        if self.store.kind == "redis":
+            from solaris_jobs.online.misses import drain_misses
+            return drain_misses(self.store, self.offline)
+        return None
 
     def table(self) -> pa.Table:
         e = self.events

@@ -1,9 +1,12 @@
 """The serving client: for one ranking request (a user, N candidate items, a clock) the FM features of every
-candidate, resolved per pair through the tiers: fresh pair embedding -> user aggregate -> user state -> neighbour
-embedding -> zeros (the fallbacks served are a setting: ``tiers``). Returns an (N, D) float32 matrix, a tier per row (``solaris_jobs.core.contract.TIERS``), the age of what was
-served and how many FM embeddings stand behind it (1 for a pair, the aggregate's pairs, the neighbours averaged).
+candidate, resolved per pair through the tiers: fresh pair embedding -> the pair's item-aware fallback -> user
+aggregate -> user state -> neighbour embedding -> zeros (the fallbacks served are a setting: ``tiers``). Returns an
+(N, D) float32 matrix, a tier per row (``solaris_jobs.core.contract.TIERS``), the age of what was served and how many
+FM embeddings stand behind it (1 for a pair, the pairs behind an item-aware fallback or an aggregate, the neighbours
+averaged).
 
-- Redis: one round trip: the HMGET of the user's hash (the user views served) and the N pair hashes, in Feast's layout,
+- Redis: one round trip: the HMGET of the user's hash (the user views served) and the N pair hashes (the pair view's
+  fields and, when served, the item-aware fallback's: Feast keeps views of one entity key in one hash), in Feast's layout,
   written to the socket as one buffer built with numpy and parsed by hiredis (redis-py's per-command Python would
   cost ~14 us x N). Rows past their view's TTL (from their event time, since Feast does not filter by ttl), newer
   than the request (replays) or of another model version than the VM expects are never served.
@@ -43,9 +46,12 @@ logger = logging.getLogger(__name__)
 T_PAIR, T_NONE = TIERS.index("pair"), TIERS.index("none")
 MISSING, STALE, OTHER_VERSION, FUTURE = 0, 1, 2, 3
 CODE_NAMES = {MISSING: "missing", STALE: "stale", OTHER_VERSION: "other_version", FUTURE: "future"}
-COUNT_OF = {"user_aggregates": "n_pairs", "neighbours": "n_neighbours"}     # the embeddings behind a fallback row
-# The fallback tiers (user-keyed views), in the order the reader falls back through them.
+# The embeddings behind a fallback row.
+COUNT_OF = {"pair_fallbacks": "n_pairs", "user_aggregates": "n_pairs", "neighbours": "n_neighbours"}
+# The fallback tiers, in the order the reader falls back through them (pair-keyed first, then user-keyed).
 FALLBACKS = tuple(t for t in TIERS if t not in ("pair", "none"))
+READER_BUDGET_MS, READER_COOLDOWN_S = 10.0, 1.0      # a read's time budget; how long a failed store is skipped
+PAIR_KEYS = ("user_id", "item_id")
 
 
 @dataclass
@@ -114,19 +120,22 @@ class FeatureReader:
             or a sink object with ``write(records)`` and ``close()``.
         tiers: the fallback tiers served where no fresh pair embedding is (``FALLBACKS``' names, tried in that
             order); None: every one.
+        clock: what the cooldown after a failure is measured on (seconds; default the monotonic wall clock); a
+            replay passes its request clock, so that a cooldown lasts as long in replayed time as in serving.
 
     ``close()`` (or leaving a ``with FeatureReader(...) as reader:`` block) closes every connection and flushes the
     miss queue.
     """
 
-    def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = 10.0,
-                 cooldown_s: float = 1.0, misses="auto", misses_dir: str | Path | None = None,
-                 miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5, tiers=None):
+    def __init__(self, cfg: StoreConfig, model_version: str, dim: int, budget_ms: float = READER_BUDGET_MS,
+                 cooldown_s: float = READER_COOLDOWN_S, misses="auto", misses_dir: str | Path | None = None,
+                 miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5, tiers=None, clock=None):
         self.cfg, self.version, self.dim = cfg, model_version, dim
         unknown = set(tiers or ()) - set(FALLBACKS)
         if unknown:
             raise ValueError(f"unknown fallback tiers {sorted(unknown)}: the fallback tiers are {list(FALLBACKS)}")
         self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
+        self._clock = clock or time.monotonic
         self.views = views(env)
         self.metrics = ServingMetrics()
         self._down_until = 0.0
@@ -147,16 +156,20 @@ class FeatureReader:
         def fields(v, *more):
             return ([ff.field_name(v.name, EMBEDDING), ff.field_name(v.name, MODEL_VERSION), ff.ts_field(v.name)]
                     + [ff.field_name(v.name, m) for m in more])
-        # (tier, view, number of fields read) per fallback served, in fallback order.
-        self._fallbacks = [(TIERS.index(v.tier), v, 4 if v.name in COUNT_OF else 3) for v in self.views.values()
-                           if v.tier in FALLBACKS and (tiers is None or v.tier in tiers)]
+        # (tier, view, number of fields read) per tier served, in fallback order: the pair-keyed views (the pair's
+        # own embedding first), then the user-keyed fallbacks.
+        served = [(TIERS.index(v.tier), v, 4 if v.name in COUNT_OF else 3) for v in self.views.values()
+                  if v.tier == "pair" or (v.tier in FALLBACKS and (tiers is None or v.tier in tiers))]
+        self._pair_views = [f for f in served if f[1].join_keys == PAIR_KEYS]
+        self._fallbacks = [f for f in served if f[1].join_keys != PAIR_KEYS]
         self._user_fields = [f for _, v, n in self._fallbacks
                              for f in fields(v, *([COUNT_OF[v.name]] if n == 4 else []))]
         # No fallback served: the user's hash is still asked for one (absent) field, so that every read has the same
         # shape (an HMGET needs a field).
         self._user_fields = self._user_fields or [b"_"]
-        self._pair_head = b"*5\r\n" + bulk(b"HMGET")
-        self._pair_fields = fields(self.views["pair_embeddings"])
+        self._pair_fields = [f for _, v, n in self._pair_views for f in fields(v, *([COUNT_OF[v.name]] if n == 4
+                                                                                  else []))]
+        self._pair_head = b"*%d\r\n" % (2 + len(self._pair_fields)) + bulk(b"HMGET")
         self._pair_tail = b"".join(map(bulk, self._pair_fields))
 
     # -- connections
@@ -189,9 +202,10 @@ class FeatureReader:
                                          timeout=self.budget_ms / 1000.0)
         return own.sqlite
 
-    # -- reads: each returns ([the aggregate's and the neighbour view's (embedding, version, event time s, count
-    #    as a serialized Value) or None],
-    #    the pairs' (embeddings, versions, event times s) as two lists (None where absent) and a float array (NaN))
+    # -- reads: each returns ([per user-keyed fallback served, its (embedding, version, event time s, count as a
+    #    serialized Value or None) or None], [per pair-keyed view served (the pair's own first), the pairs'
+    #    (embeddings, versions, event times s, counts) as lists (None where absent), a float array (NaN) and a list
+    #    of serialized counts (None for a view without one)])
     def _read_redis(self, user: int, items: np.ndarray) -> list:
         ukey = ff.entity_key({"user_id": user}, self._suffix)
         pkeys = ff.entity_keys({"user_id": np.full(len(items), user, np.int64), "item_id": items}, self._suffix)
@@ -200,13 +214,19 @@ class FeatureReader:
         else:
             replies = self._read_single(ukey, pkeys)
         u, ts = replies[0], self._ts
-        flat = list(chain.from_iterable(replies[1:]))             # [embedding, version, ts] per pair, flattened
+        flat = list(chain.from_iterable(replies[1:]))             # the pair views' fields per pair, flattened
         users, at = [], 0
         for _, _, n in self._fallbacks:
             users.append((u[at], u[at + 1], ts[u[at + 2]], u[at + 3] if n == 4 else None) if u[at] is not None
                          else None)
             at += n
-        return users, (flat[0::3], flat[1::3], np.fromiter(map(ts.__getitem__, flat[2::3]), np.float64, len(pkeys)))
+        pairs, at, width = [], 0, len(self._pair_fields)
+        for _, _, n in self._pair_views:
+            pairs.append((flat[at::width], flat[at + 1::width],
+                          np.fromiter(map(ts.__getitem__, flat[at + 2::width]), np.float64, len(pkeys)),
+                          flat[at + 3::width] if n == 4 else None))
+            at += n
+        return users, pairs
 
     def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
         """Redis Cluster: the keys live on several nodes; redis-py's cluster pipeline, one round trip per node."""
@@ -275,10 +295,13 @@ class FeatureReader:
         ukey = ff.entity_key({"user_id": user})
         pkeys = [k.tobytes() for k in ff.entity_keys({"user_id": np.full(len(items), user, np.int64),
                                                       "item_id": items})]
-        pr = rows(self.views["pair_embeddings"], pkeys)
-        pairs = [triple(pr.get(k)) or (None, None, math.nan) for k in pkeys]
-        return ([triple(rows(v, [ukey]).get(ukey), COUNT_OF.get(v.name, "")) for _, v, _ in self._fallbacks],
-                ([p[0] for p in pairs], [p[1] for p in pairs], np.array([p[2] for p in pairs], np.float64)))
+        pairs = []
+        for _, v, n in self._pair_views:
+            found = rows(v, pkeys)
+            got = [triple(found.get(k), COUNT_OF.get(v.name, "")) or (None, None, math.nan, None) for k in pkeys]
+            pairs.append(([p[0] for p in got], [p[1] for p in got], np.array([p[2] for p in got], np.float64),
+                          [p[3] for p in got] if n == 4 else None))
+        return ([triple(rows(v, [ukey]).get(ukey), COUNT_OF.get(v.name, "")) for _, v, _ in self._fallbacks], pairs)
 
     def read(self, user_id: int, item_ids, now) -> Features:
         """Features for one request. ``now``: the request time (pd.Timestamp-able, or epoch seconds). A store failure
@@ -295,7 +318,7 @@ class FeatureReader:
         c["requests"] += 1
         c["rows"] += n
         failed = False
-        if time.monotonic() < self._down_until:
+        if self._clock() < self._down_until:
             c["fail_open_cooldown"] += 1
             failed = True
         else:
@@ -308,7 +331,7 @@ class FeatureReader:
                 failed = True
                 emb[:], tiers[:], ages[:], counts[:] = 0.0, T_NONE, np.nan, 0     # nothing half-resolved is served
                 c["fail_open"] += 1
-                self._down_until = time.monotonic() + self.cooldown_s
+                self._down_until = self._clock() + self.cooldown_s
                 self._reset()
                 logger.warning("feature read failed open (tier none for %d rows; store skipped for %.1fs): %r",
                                n, self.cooldown_s, e)
@@ -338,7 +361,7 @@ class FeatureReader:
 
     def _resolve(self, raw: tuple, now_s: float, emb: np.ndarray, tiers: np.ndarray, ages: np.ndarray,
                  counts: np.ndarray, c: Counter) -> None:
-        users, (embs, versions, event_s) = raw
+        users, pairs = raw
         fallback = None
         for (tier, view, _), row in zip(self._fallbacks, users):
             r = self._check(row, self._ttl[view.name], now_s)
@@ -351,31 +374,43 @@ class FeatureReader:
                 c["bad_width"] += 1
             else:
                 c[f"{TIERS[tier]}_{CODE_NAMES[r]}"] += 1
-        # The pairs, as _check does it row by row, in bulk: missing, then another version, then future, then stale.
-        n = len(embs)
-        present = np.fromiter(map(operator.is_not, embs, repeat(None)), bool, n) & ~np.isnan(event_s)
+        # The pair-keyed views in order (the pair's own embedding, then its item-aware fallback), each for the rows
+        # not served yet; then the user's fallback for the rest.
+        open_rows = np.ones(len(tiers), bool)
+        for (tier, view, _), rows in zip(self._pair_views, pairs):
+            ok = self._resolve_pairs(rows, view.name, tier, now_s, open_rows, emb, tiers, ages, counts, c)
+            open_rows &= ~ok
+        if fallback is not None:
+            emb[open_rows] = fallback[1]
+            tiers[open_rows] = fallback[0]
+            ages[open_rows] = fallback[2]
+            counts[open_rows] = fallback[3]
+
+    def _resolve_pairs(self, rows, name: str, tier: int, now_s: float, want: np.ndarray, emb: np.ndarray,
+                       tiers: np.ndarray, ages: np.ndarray, counts: np.ndarray, c: Counter) -> np.ndarray:
+        """One pair-keyed view's rows, as ``_check`` does it row by row, in bulk (missing, then another version,
+        then future, then stale), served where ``want``; returns where it served."""
+        embs, versions, event_s, raw_counts = rows
+        n, label = len(embs), TIERS[tier]
+        present = np.fromiter(map(operator.is_not, embs, repeat(None)), bool, n) & ~np.isnan(event_s) & want
         same = np.fromiter(map(operator.eq, versions, repeat(self._version_value)), bool, n)
         age = now_s - event_s
-        codes = {MISSING: ~present, OTHER_VERSION: present & ~same}
+        codes = {MISSING: want & ~present, OTHER_VERSION: present & ~same}
         current = present & same
         codes[FUTURE] = current & (age < 0)
-        codes[STALE] = current & (age > self._ttl["pair_embeddings"])
+        codes[STALE] = current & (age > self._ttl[name])
         for code, where in codes.items():
             k = int(where.sum())
             if k:
-                c[f"pair_{CODE_NAMES[code]}"] += k
-        servable = current & (age >= 0) & (age <= self._ttl["pair_embeddings"])
+                c[f"{label}_{CODE_NAMES[code]}"] += k
+        servable = current & (age >= 0) & (age <= self._ttl[name])
         m, ok = ff.parse_float_lists(embs, self.dim, servable)
         c["bad_width"] += int(servable.sum() - ok.sum())
         emb[ok] = m[ok]
-        tiers[ok] = T_PAIR
+        tiers[ok] = tier
         ages[ok] = age[ok]
-        counts[ok] = 1
-        if fallback is not None:
-            emb[~ok] = fallback[1]
-            tiers[~ok] = fallback[0]
-            ages[~ok] = fallback[2]
-            counts[~ok] = fallback[3]
+        counts[ok] = 1 if raw_counts is None else [ff.parse_int32(raw_counts[i]) for i in np.flatnonzero(ok)]
+        return ok
 
     def _reset(self) -> None:
         """Drops this thread's connections after a failure (a reply may be outstanding); its next read reconnects."""

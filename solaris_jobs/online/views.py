@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-FEATURE_SERVICE = "solaris_v2"     # bump the suffix when a view's schema changes (v2: user_states)
+FEATURE_SERVICE = "solaris_v3"     # bump the suffix when a view's schema changes (v2: user_states, v3: pair_fallbacks)
 
 # How a row's model_version is used when served (the Feast tags say it too).
 VERSION_POLICY = ("rows carry the FM+AE version that made them; the serving client serves only its pinned version "
@@ -64,12 +64,18 @@ def ttl(name: str, env=None) -> pd.Timedelta:
 
 
 def views(env=None) -> dict[str, View]:
-    """The four views, keyed by name, in serving-tier order."""
+    """The five views, keyed by name, in serving-tier order."""
     return {v.name: v for v in (
         View("pair_embeddings", ("user_id", "item_id"),
              ((EMBEDDING, "float_list"), (MODEL_VERSION, "string")),
              ttl("pair_embeddings", env), "pair",
              "FM interaction embedding of a (user, item) pair, through the autoencoder (D floats)."),
+        View("pair_fallbacks", ("user_id", "item_id"),
+             ((EMBEDDING, "float_list"), ("n_pairs", "int32"), (MODEL_VERSION, "string")),
+             ttl("pair_fallbacks", env), "item_aware",
+             "Item-aware fallback of a pair ranked, missed or left out by the selection lately without a pair "
+             "embedding: the user's pair embeddings of the trailing window weighted by their items' similarity to "
+             "this item (the FM's item embeddings; no FM inference)."),
         View("user_aggregates", ("user_id",),
              ((EMBEDDING, "float_list"), ("n_pairs", "int32"), (MODEL_VERSION, "string")),
              ttl("user_aggregates", env), "user_aggregate",

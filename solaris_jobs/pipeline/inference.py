@@ -161,3 +161,17 @@ def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig,
                                     "reject_reason": reasons[_nonfinite(ok)]})
 
     return users_with_history.mapInPandas(embed, schema)
+
+
+def item_vectors(fm: ModelRef, item_ids: np.ndarray, batch: int = 65_536) -> tuple[np.ndarray, np.ndarray]:
+    """The FM's item embeddings (id and side features, no history: a table lookup, not an FM inference) of
+    ``item_ids``, L2-normalised, on the driver: (sorted distinct ids, (n, d_model) float32)."""
+    import torch
+    ids = np.unique(np.asarray(item_ids, np.int64))
+    model, _, _ = load(fm, "cpu", None)            # the driver's torch threads stay as they are
+    out = np.zeros((len(ids), model.cfg.d_model), np.float32)
+    with torch.inference_mode():
+        for s in range(0, len(ids), batch):
+            v = model.items(torch.as_tensor(ids[s: s + batch]))
+            out[s: s + batch] = torch.nn.functional.normalize(v.float(), dim=-1).numpy()
+    return ids, out

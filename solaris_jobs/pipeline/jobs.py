@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import pandas as pd
 
 from solaris_jobs.core import offline as off
@@ -33,7 +34,7 @@ from solaris_jobs.pipeline.interval_state import StateKey
 from solaris_jobs.pipeline.neighbours_step import neighbours
 from solaris_jobs.pipeline.select_step import select
 from solaris_jobs.pipeline.step_common import interval, models_of_interval, publish, releases_caches, with_history_len
-from solaris_jobs.pipeline.windows import prior_events, read_from
+from solaris_jobs.pipeline.windows import prior_events, read_from, recent_pairs, union_all
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,32 @@ def _state_from_log(spark, s: Settings, cfg, T: pd.Timestamp, events, cache, clo
     return interval_state.read_state(spark, s, cfg, T)
 
 
+def _fallback_targets(spark, s: Settings, T: pd.Timestamp, events):
+    """(user_id, item_id) of the pairs an item-aware fallback is made for: those ranked in ``[T - recent_hours, T)``,
+    missed in ``[T - miss_hours, T)``, or in the interval's selection but not selected (the candidates the per-user
+    share left out; under a recency budget these are recent or missed pairs already)."""
+    cfg = s.precompute
+    parts = []
+    if off.is_complete(s.offline, "selection", T):
+        parts.append(off.read_interval(spark, s.offline, "selection", T).where("NOT selected")
+                     .select("user_id", "item_id"))
+    if cfg.recent_hours > 0:
+        raw = event_source(events, s.data).spark(spark, start=T - pd.Timedelta(hours=cfg.recent_hours), end=T)
+        parts.append(recent_pairs(prior_events(raw, T, cfg.lookback_days), T, cfg.recent_hours)
+                     .select("user_id", "item_id"))
+    missed = off.read_misses(spark, s.offline, T - pd.Timedelta(hours=cfg.miss_hours), T)
+    if missed is not None:
+        parts.append(missed.select("user_id", "item_id"))
+    if not parts:
+        return spark.createDataFrame([], "user_id long, item_id long")
+    return union_all(parts).distinct()
+
+
 def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock=None) -> dict:
     """User aggregates: per user, the mean of their pair embeddings of the trailing window and their count, of the
-    interval's embedding version only. Output: ``user_aggregates``."""
+    interval's embedding version only; and the item-aware fallbacks (``aggregates.item_aware_fallbacks``) of the
+    pairs ranked, missed or left out by the selection lately that have no pair embedding. Outputs:
+    ``user_aggregates``, ``pair_fallbacks``."""
     t0 = time.perf_counter()
     _, T = interval(start, end)
     models = models if models is not None and models.fm is not None else models_of_interval(s, T)
@@ -122,15 +146,32 @@ def aggregate(spark, s: Settings, start, end, *, events=None, models=None, clock
             if e > T - window]
     if T not in ends:
         raise FileNotFoundError(f"no pair embeddings for the interval ending {T}: run embed first")
-    agg = aggregates.user_aggregates(off.read_intervals(spark, s.offline, "pair_embeddings", ends), T,
-                             s.precompute.aggregate_hours, version)
-    staged = off.stage(agg, s.offline, "user_aggregates", T)
-    n = spark.read.parquet(staged.path).count()
+    latest = aggregates.latest_pairs(off.read_intervals(spark, s.offline, "pair_embeddings", ends), T,
+                                     s.precompute.aggregate_hours, version).cache()
+    try:
+        staged = off.stage(aggregates.user_aggregates(latest, T, version), s.offline,
+                           "user_aggregates", T)
+        n = spark.read.parquet(staged.path).count()
+        # The pairs likely to be ranked soon (recently ranked or missed, or candidates the selection left out) that
+        # have no pair embedding of the window: their item-aware fallback.
+        targets = (_fallback_targets(spark, s, T, events)
+                   .join(latest.select("user_id", "item_id"), ["user_id", "item_id"], "left_anti"))
+        with_codes = targets.join(latest.select("user_id").distinct(), "user_id")
+        items = [r[0] for r in with_codes.select("item_id").union(latest.select("item_id")).distinct().collect()]
+        ids, vecs = inference.item_vectors(models.fm, np.array(items, np.int64))
+        fb = aggregates.item_aware_fallbacks(with_codes, latest, ids, vecs, T, version,
+                                             s.precompute.item_aware_temperature)
+        staged_fb = off.stage(fb, s.offline, "pair_fallbacks", T)
+        n_fb = spark.read.parquet(staged_fb.path).count()
+    finally:
+        latest.unpersist()
     stats = {"interval_end": T.isoformat(), "users": n, "intervals_read": len(ends), "model_version": version,
              "seconds": round(time.perf_counter() - t0, 2)}
+    publish(staged_fb, {**stats, "pairs": n_fb, "items": len(ids),
+                        "temperature": s.precompute.item_aware_temperature}, clock)
     publish(staged, stats, clock)
-    logger.info("user aggregates %s: %d users from %d intervals", T, n, len(ends))
-    return stats
+    logger.info("user aggregates %s: %d users from %d intervals; %d item-aware fallbacks", T, n, len(ends), n_fb)
+    return {**stats, "item_aware_pairs": n_fb}
 
 
 JOBS = {"select": select, "embed": embed, "aggregate": aggregate, "neighbours": neighbours}

@@ -108,8 +108,10 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     return out
 
 
-def load(ref: ModelRef, device: str = "auto", threads: int = 1):
+def load(ref: ModelRef, device: str = "auto", threads: int | None = 1):
     """The model of ``ref``, loaded once per Python worker, after checking that the file still holds that version.
+    ``threads``: torch's threads in this process (an executor's share of its cores); None leaves them as they are
+    (on the driver, whose other work, such as training in the same process, keeps its own).
 
     Returns:
         (model in eval mode on the device, checkpoint meta, torch device).
@@ -122,7 +124,8 @@ def load(ref: ModelRef, device: str = "auto", threads: int = 1):
         import torch
 
         from models import load_checkpoint
-        torch.set_num_threads(threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
         dev = resolve_device(device)
         model, meta = load_checkpoint(ref.path, map_location=dev, kind=ref.kind)
         if meta["model_version"] != ref.version:
