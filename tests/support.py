@@ -20,8 +20,8 @@ import pandas as pd
 
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.settings import PrecomputeConfig, SimulatorConfig
-from solaris_jobs.dev.ports import free_port
-from solaris_jobs.dev.redis_local import LocalRedis, stop_process, wait_for
+from solaris_jobs.core.ports import free_port
+from solaris_jobs.online.local_redis import LocalRedis, stop_process, wait_for
 from solaris_jobs.dev.spark_connect import SparkConnectServer  # noqa: F401  (the tests' Spark Connect)
 
 # ------------------------------------------------------------------------------------------------ MovieLens interval

@@ -679,6 +679,11 @@ def test_redis_failing_mid_materialization_fails_the_task_and_a_retry_completes(
         sends.append(n)
         if len(sends) == 2:                                  # the pair view's rows are out: the store fails now
             if fault == "connection dropped":
+                # Once the server has applied some of what was sent (the writer does not wait for replies between
+                # its sends; under load the server may not have read the first one yet).
+                deadline = time.monotonic() + 10
+                while not admin.dbsize() and time.monotonic() < deadline:
+                    time.sleep(0.005)
                 admin.client_kill_filter(_type="normal", skipme=True)
             elif fault == "server killed":
                 os.kill(redis_server.proc.pid, signal.SIGKILL)

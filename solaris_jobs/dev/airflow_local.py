@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from solaris_jobs.core.settings import PROJECT_ROOT, env_var
-from solaris_jobs.dev.ports import free_port
+from solaris_jobs.core.ports import free_port
 
 DAGS = PROJECT_ROOT / "dags"
 # sqlite3's connect arguments for the metadata DB (AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS names this): wait

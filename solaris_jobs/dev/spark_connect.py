@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from solaris_jobs.dev.ports import free_port
+from solaris_jobs.core.ports import free_port
 
 
 def local_parallelism(master: str) -> dict:

@@ -94,7 +94,7 @@ def serving_store(folder: Path, kind: str = "sqlite", project: str = "solaris_re
     if kind == "sqlite":
         yield replay_store(folder, project)
     elif kind == "redis":
-        from solaris_jobs.dev.redis_local import LocalRedis
+        from solaris_jobs.online.local_redis import LocalRedis
         folder.mkdir(parents=True, exist_ok=True)
         with LocalRedis(folder / "redis") as server:
             yield server.store(project, repo=folder)

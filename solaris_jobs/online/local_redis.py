@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from solaris_jobs.dev.ports import free_port
+from solaris_jobs.core.ports import free_port
 
 
 def wait_for(predicate, timeout: float, what: str, log: Path | None = None) -> None:
