@@ -378,6 +378,13 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
     pd.testing.assert_frame_equal(before[0], before[1])
     test_a, test_b = (x["headline"]["test"]["variants"] for x in (s_a, s_b))
     assert all(test_a[v]["bce"] != test_b[v]["bce"] for v in test_a)
+    # The comparison before #40 (no recency inputs), once beside: other models than the headline's, chosen on
+    # validation as untouched by the test labels, and in the report.
+    old_a = s_a["without_recency"]
+    assert old_a["chosen"] == s_b["without_recency"]["chosen"]
+    assert set(old_a["test"]["variants"]) >= {"vm", "vm_kd", "solaris"}
+    assert all(old_a["test"]["variants"][v]["bce"] != test_a[v]["bce"] for v in ("vm", "vm_kd", "solaris"))
+    assert "## The comparison before #40" in (out / "report.md").read_text()
     # Each tier's value on its own rows: on validation (what chooses the tiers) untouched by the test labels; on
     # test it moves with them. Every labelled served row of the split is in exactly one tier's rows.
     assert s_a["tier_value"]["validation"] == s_b["tier_value"]["validation"]
@@ -443,6 +450,24 @@ def test_same_seed_same_report_and_no_test_label_reaches_a_model(tiny_eval, tmp_
         assert kc["variants"]["vm_kd_best"]["bce"] == kc["variants"]["vm_kd"]["bce"]
     assert kc["criterion"] is None or kc["criterion"]["kd"] == "vm_kd_best"
     assert "Post hoc: VM + KD on a wider grid" in md
+
+
+def test_the_tier_choice_reads_seed_0s_validation_from_the_headlines_own_runs(tiny_eval):
+    """``solaris evaluate-tier-choice`` on the headline's folder: the same seed-0 replay and VMs (nothing retrained
+    or replayed), each tier's value on its validation rows equal to the report's, and the tiers kept exactly those
+    whose lower bound is above 0, in fallback order."""
+    from solaris_jobs.evaluation import tier_choice
+    from solaris_jobs.online.reader import FALLBACKS
+    out, report = tiny_eval
+    made = {p: p.stat().st_mtime_ns for p in [*out.rglob("done.json"), *out.rglob("vm_cache/*.pt")]}
+    table = tier_choice.run(TINY, out)
+    assert {p: p.stat().st_mtime_ns for p in made} == made and len(made) >= 4
+    assert table["validation"] == report["per_seed"][0]["tier_value"]["validation"]
+    assert table["chosen"] == [t for t in FALLBACKS if table["validation"][t]["carries_value"]]
+    assert table["seed"] == 0 and table["config"]["tiers"] == list(FALLBACKS) and table["method"].startswith("Declared")
+    one = lambda lo: {"carries_value": lo > 0}
+    assert tier_choice.choose({"neighbour": one(0.1), "pair": one(0.2), "user_state": one(-0.1),
+                               "item_aware": one(0.01), "user_aggregate": None}) == ("item_aware", "neighbour")
 
 
 def test_cached_outputs_are_reused_only_for_the_same_code_and_data(tiny_eval, tmp_path, monkeypatch):

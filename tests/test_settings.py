@@ -64,6 +64,19 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
     production = (reader["budget_ms"].default, reader["cooldown_s"].default)
     assert (plan.budget_ms, plan.cooldown_s) == (cfg.serving_budget_ms, cfg.serving_cooldown_s) == production
     assert cfg.serving_store == "redis"
+    # The fallbacks served: the replay's, the evaluation's and a FeatureReader's by default are the tiers validation
+    # chose (once chosen); the FM's recipe is the one its validation search chose (once searched).
+    from solaris_jobs.evaluation import fm_search, tier_choice
+    from solaris_jobs.evaluation.protocol import ModelsConfig
+    from solaris_jobs.online.reader import DEFAULT_TIERS
+    assert plan.tiers == tuple(cfg.tiers) == DEFAULT_TIERS and reader["tiers"].default is None
+    chosen = tier_choice.committed()
+    if chosen is not None:
+        assert DEFAULT_TIERS == tuple(chosen["chosen"]), chosen["validation"]
+    searched = fm_search.committed()
+    if searched is not None:
+        assert fm_search.recipe_of(ModelsConfig()) == searched["chosen"]
+        assert fm_search.recipe_of(cfg.models) == searched["chosen"]
     # The refresh DAG's default schedule is the evaluation's hourly cadence.
     assert cfg.cadence == "1h" and '"SOLARIS_REFRESH_CRON", "0 * * * *"' in (ROOT / "dags" /
                                                                             "solaris_refresh.py").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 from solaris_jobs.data.synth import SynthConfig
 from solaris_jobs.evaluation.protocol import ModelsConfig
 from solaris_jobs.evaluation.variants import GRID_SIZE
-from solaris_jobs.online.reader import READER_BUDGET_MS, READER_COOLDOWN_S
+from solaris_jobs.online.reader import DEFAULT_TIERS, READER_BUDGET_MS, READER_COOLDOWN_S
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class EvalConfig:
     BENCHMARKS say why each has its value.
     """
     dataset: str = "synth"
-    seeds: tuple = (0, 1, 2)
+    seeds: tuple = (0, 1, 2, 3, 4)                       # >= 5: the headline criterion resamples seeds (#40)
     data_per_seed: bool = True       # synth: seed k draws its own log (generator seed synth.seed + k), same config
     synth: SynthConfig = field(default_factory=lambda: SynthConfig(users=5_000, items=5_000, days=5, seed=0))
     sequence_shares: tuple = (0.0, 0.25, 0.5, 0.75)       # the sweep (the headline is synth.sequence_share)
@@ -35,6 +35,7 @@ class EvalConfig:
     serving_store: str = "redis"                           # the replays' store: the production kind (#40)
     serving_budget_ms: float = READER_BUDGET_MS            # the replays' reader: the production reader's budget
     serving_cooldown_s: float = READER_COOLDOWN_S          # and cooldown (on the requests' clock)
+    tiers: tuple = DEFAULT_TIERS                           # the fallbacks served: validation's choice (#40)
     ttl_pair: str = "24h"
     ttl_item_aware: str = "24h"
     ttl_aggregate: str = "24h"

@@ -191,6 +191,8 @@ def markdown(report: dict, files: dict) -> str:
         L += _md_secondary(first)
     if first.get("kd_grid_check"):
         L += _md_kd_grid_check(first)
+    if first.get("without_recency"):
+        L += _md_without_recency(report, first)
     if report.get("sweep"):
         L += _md_sweep(report)
     for n in report.get("notes", []):
@@ -389,6 +391,26 @@ def _md_secondary(first: dict) -> list[str]:
     c = te.get("criterion")
     if c:
         L += ["", _verdict(c, te["variants"].get("vm_kd"))]
+    return L
+
+
+def _md_without_recency(report: dict, first: dict) -> list[str]:
+    """## The comparison before #40: the rankers without the recency inputs (the first seed)."""
+    old, head = first["without_recency"]["test"], first["headline"]["test"]
+    L = ["", f"## The comparison before #40: no recency inputs (seed {first['seed']}, same rows and grids)", "",
+         "Every ranker takes the lifetime counters only, as before #40; the headline (every ranker with the recency "
+         "inputs) beside it.", "",
+         "| variant | test BCE, no recency [95%] | dBCE [95%] | TR | test BCE, headline | dBCE | TR |",
+         "|---|---|---|---|---|---|---|"]
+    for n in ORDER:
+        v, h = old["variants"].get(n), head["variants"].get(n)
+        if v is not None and h is not None:
+            L.append(f"| {LABELS[n]} | {_f(v['bce'], 5)}{_ci(v['bce_ci'], 5)} | {_f(v['dbce'], 5)}"
+                     f"{_ci(v['dbce_ci'], 5)} | {_f(v['tr'], 3)} | {_f(h['bce'], 5)} | {_f(h['dbce'], 5)} | "
+                     f"{_f(h['tr'], 3)} |")
+    c = old.get("dbce_criterion")
+    if c:
+        L += ["", f"Without the recency inputs, {c['statistic']} = {_f(c['value'], 5)}{_ci(c['ci'], 5)}."]
     return L
 
 

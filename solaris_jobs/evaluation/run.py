@@ -64,11 +64,17 @@ def dataset_root(cfg: EvalConfig, out: Path, share: float | None = None, seed: i
     return root
 
 
+def eval_session(cfg: EvalConfig):
+    """The Spark session an evaluation's replays run on."""
+    from solaris_jobs.core.settings import Settings
+    from solaris_jobs.pipeline import jobs
+    return jobs.session(Settings(spark_master=cfg.spark_master, spark_log_level="ERROR", spark_driver_memory="6g"),
+                        "evaluate")
+
+
 def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     """Runs the evaluation into ``out`` and returns the report (also written as report.json and report.md)."""
     from solaris_jobs.core import events as ev
-    from solaris_jobs.core.settings import Settings
-    from solaris_jobs.pipeline import jobs
     from solaris_jobs.pipeline.event_source import EventTable
     out = Path(out).resolve()
     if fresh and out.exists():
@@ -76,8 +82,7 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     freeze_code_versions()          # the code as loaded now keys the caches, whatever is edited during the run
     t_all = time.perf_counter()
-    spark = jobs.session(Settings(spark_master=cfg.spark_master, spark_log_level="ERROR",
-                                  spark_driver_memory="6g"), "evaluate")
+    spark = eval_session(cfg)
     commit = code_commit()
     seeds, sweep, data = [], [], {}
 
@@ -142,11 +147,18 @@ def _sweep_point(cfg: EvalConfig, out: Path, share: float, seeds: list[dict], sp
 def report_config(cfg: EvalConfig) -> dict:
     """The report's ``config``: every setting of ``cfg``, and the inputs every ranker takes from the log."""
     from solaris_jobs.core.contract import RECENCY_INPUTS
+    from solaris_jobs.evaluation import fm_search, tier_choice
     from solaris_jobs.pipeline.history import COUNTER_COLS
+    searched, chosen = fm_search.committed(), tier_choice.committed()
     return {**json.loads(json.dumps(cfg.key(), default=str)),
             "ranker_inputs": {"counters": list(COUNTER_COLS), "recency": list(RECENCY_INPUTS),
                               "solaris_variants_add": ["fm_emb (one slot per tier)", "tier", "fm_age_h",
-                                                      "fm_count"]}}
+                                                      "fm_count"]},
+            # The validation choices this run's settings come from, where they do (None where they do not).
+            "fm_search": searched if searched and cfg.dataset == "synth" and fm_search.recipe_of(cfg.models) == searched["chosen"] else None,
+            "tier_choice": {k: chosen[k] for k in ("method", "seed", "commit", "validation", "chosen")}
+            if chosen and list(cfg.tiers) == chosen["chosen"] and cfg.dataset == chosen["config"]["dataset"]
+            else None}
 
 
 def code_commit() -> dict:

@@ -159,6 +159,27 @@ def secondary(ctx: SeedContext, tab, served: pa.Table, every: pd.Timedelta, name
             "per_tier": ev["per_tier"]}
 
 
+OLD_COMPARISON = ("vm", "vm_kd", "solaris")
+
+
+def without_recency(ctx: SeedContext, tab) -> dict:
+    """The comparison before #40, reported once beside the headline (the first seed): VM, VM + KD and the all-tiers
+    VM with the lifetime counters only (no log-derived recency inputs: ``Table.with_recency`` False), the same rows,
+    grids and test rows; BCE, dBCE and TR with the same paired bootstrap, and both criteria."""
+    old = replace(tab, with_recency=False)
+    fits = variants.train_variants(old, ctx.seed, ctx.cfg.vm_epochs, ctx.cfg.vm_batch_size, names=OLD_COMPARISON,
+                                   grid_points=ctx.cfg.grid_points, cache=ctx.out / "vm_cache")
+    test = tab.split == 2
+    y, users = tab.labels[test], tab.users[test]
+    p = probs(tab, fits)
+    losses = {k: metrics.row_bce(y, x) for k, x in p.items()}
+    boot = metrics.PairedBootstrap(users, ctx.cfg.n_boot, seed=ctx.seed)
+    return {"inputs": "lifetime counters only (no recency inputs)", "variants": list(OLD_COMPARISON),
+            "test": metrics.summarize_losses(losses, users, y, p, boot=boot, kd="vm_kd", solaris="solaris",
+                                             floor="base_rate"),
+            "chosen": {k: {"params": v["params"], "valid_bce": v["valid_bce"]} for k, v in fits.items()}}
+
+
 def kd_grid_check(ctx: SeedContext, tab, fits: dict) -> dict:
     """Post hoc (not a headline setting): VM + KD also trained on ``variants.KD_CHECK_GRID`` (weights and
     temperatures below and between the headline grid's best corner), on the base hyperparameters VM chose; the best

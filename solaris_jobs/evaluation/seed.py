@@ -14,14 +14,15 @@ from solaris_jobs.evaluation import variants
 from solaris_jobs.evaluation.config import ttls
 from solaris_jobs.evaluation.protocol import train_models
 from solaris_jobs.evaluation.replays import BaseReplay, SeedContext, replay_summary, run_replay
-from solaris_jobs.evaluation.scoring import evaluate_test, kd_grid_check, secondary, tier_values
+from solaris_jobs.evaluation.scoring import (OLD_COMPARISON, evaluate_test, kd_grid_check, secondary, tier_values,
+                                             without_recency)
 from solaris_jobs.evaluation.seed_curves import seed_curves
 from solaris_jobs.evaluation.windows import fm_per_row
 
 
 def run_seed(ctx: SeedContext, with_curves: bool, names=None) -> dict:
     """The headline numbers of one seed (and, with ``with_curves``, the budget and cadence curves, the secondary
-    training window and the KD grid check); ``names``: the variants to train (default all)."""
+    training window, the KD grid check and the comparison without the recency inputs); ``names``: the variants to train (default all)."""
     cfg = ctx.cfg
     t_seed = time.perf_counter()
     model_metrics = train_models(ctx.root, ctx.protocol, ctx.seed, ctx.out / "models", cfg.models,
@@ -49,6 +50,8 @@ def run_seed(ctx: SeedContext, with_curves: bool, names=None) -> dict:
         res["secondary_t1_only"] = secondary(ctx, tab, served, every, names)
         if {"vm", "vm_kd", "solaris"} <= set(fits):
             res["kd_grid_check"] = kd_grid_check(ctx, tab, fits)
+        if set(OLD_COMPARISON) <= set(fits):
+            res["without_recency"] = without_recency(ctx, tab)
     res["timings"]["seed_s"] = round(time.perf_counter() - t_seed, 1)
     return res
 
@@ -62,7 +65,7 @@ def replay_base(ctx: SeedContext, with_curves: bool) -> BaseReplay:
     models_dir = ctx.out / "models"
     models = model_refs.resolve(models_dir, ("fm", "ae", "vm"))
     plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(cfg.cadence), pd.Timedelta(cfg.delay), ttls(cfg),
-                             cfg.serving_budget_ms, cfg.serving_cooldown_s, cfg.serving_store)
+                             cfg.serving_budget_ms, cfg.serving_cooldown_s, cfg.serving_store, tuple(cfg.tiers))
     budget = max(max(cfg.budgets), cfg.budget * cfg.slow_cadence) if with_curves else cfg.budget
     name = f"replay-b{budget:g}"
     t0 = time.perf_counter()

@@ -236,7 +236,7 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 @click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
               "data, checkpoints, replays and FM outputs are cached under it.")
-@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2; --quick: 0); 'none' runs only the "
+@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2,3,4; --quick: 0); 'none' runs only the "
                                          "sweep, to be joined with evaluate-merge. The sweep always runs at seed 0: a "
                                          "run of other seeds apart takes --sequence-shares none.")
 @click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 2.5 days, one seed, "
@@ -310,12 +310,36 @@ def evaluate_fm_search_cmd(out, result) -> None:
     click.echo(f"table: {path}")
 
 
+@main.command("evaluate-tier-choice")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="The headline evaluation's folder "
+              "(its seed 0 data, models, replay and VMs are shared with the choice).")
+@click.option("--result", default=None, type=click.Path(dir_okay=False),
+              help="Where to write the table (default benchmarks/results/tier_choice_synth.json).")
+@click.option("--master", default="local[2]", help="Spark master for the replay.")
+def evaluate_tier_choice_cmd(out, result, master) -> None:
+    """The fallback tiers the product serves, chosen on seed 0's validation rows
+    (``solaris_jobs.evaluation.tier_choice``): run once, after the FM's search and before the evaluation's seeds;
+    its choice is ``FeatureReader``'s default."""
+    from dataclasses import replace
+
+    from solaris_jobs.evaluation import tier_choice
+    from solaris_jobs.evaluation.config import EvalConfig
+    table = tier_choice.run(replace(EvalConfig(), spark_master=master), Path(out))
+    path = Path(result) if result else tier_choice.RESULT
+    path.write_text(json.dumps(table, indent=1, default=str) + "\n")
+    for t, v in (table["validation"] or {}).items():
+        click.echo(f"{t:16s} " + ("no rows" if v["value"] is None else
+                                  f"{v['value']:+.5f} [{v['ci'][0]:+.5f}, {v['ci'][1]:+.5f}] on {v['rows']} rows"))
+    click.echo(f"chosen: {', '.join(table['chosen']) or 'none'}")
+    click.echo(f"table: {path}")
+
+
 @main.command("evaluate-merge")
 @click.argument("reports", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the merged report.json, "
                                                                            "report.md and report.html.")
 @click.option("--seeds", default=None, help="The seeds the merged report should hold to be complete (comma-separated; "
-                                            "default the dataset's 0,1,2).")
+                                            "default the dataset's 0,1,2,3,4).")
 def evaluate_merge_cmd(reports, out, seeds) -> None:
     """One report from runs of the same evaluation that ran different seeds apart (``solaris evaluate --seeds 1`` on
     another machine or in another session): the data, protocol and settings must match; the summary and the targets

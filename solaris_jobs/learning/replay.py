@@ -32,7 +32,7 @@ from solaris_jobs.core import offline as off
 from solaris_jobs.core.events import to_utc
 from solaris_jobs.core.settings import Settings
 from solaris_jobs.online.coverage import Server
-from solaris_jobs.online.reader import READER_BUDGET_MS, READER_COOLDOWN_S
+from solaris_jobs.online.reader import DEFAULT_TIERS, READER_BUDGET_MS, READER_COOLDOWN_S
 from solaris_jobs.online.store_config import StoreConfig
 from solaris_jobs.pipeline import jobs
 from solaris_jobs.pipeline.event_source import EventTable, event_source
@@ -58,6 +58,7 @@ class ReplayPlan:
         store: the online store the replay serves from when none is given (``serving_store``): ``sqlite`` (the
             embedded default) or ``redis`` (a local redis-server: the production store kind, misses through the
             Redis stream and its drain).
+        tiers: the fallback tiers the reader serves (``FeatureReader``'s ``tiers``; default its ``DEFAULT_TIERS``).
     """
     start: pd.Timestamp
     end: pd.Timestamp
@@ -67,6 +68,7 @@ class ReplayPlan:
     budget_ms: float = READER_BUDGET_MS
     cooldown_s: float = READER_COOLDOWN_S
     store: str = "sqlite"
+    tiers: tuple = DEFAULT_TIERS
 
     def cutoffs(self) -> list[pd.Timestamp]:
         out, t = [], to_utc(self.start)
@@ -147,7 +149,7 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
     env = dict(plan.ttls)
     server = Server(source.table(cutoffs[0], plan.end), store, models.embedding_version,
                     dim or int(models.ae.config["d_code"]), env, offline=s.offline, budget_ms=plan.budget_ms,
-                    cooldown_s=plan.cooldown_s)
+                    cooldown_s=plan.cooldown_s, tiers=plan.tiers)
     record = []
     bar = None
     if progress:
@@ -194,6 +196,7 @@ def run(spark, s: Settings, events, models: ModelSet, plan: ReplayPlan, out: Pat
     return _write(out, server, {
         "kind": "replay", "refreshes": record, "embedding_version": models.embedding_version, "dim": server.dim,
         "store": store.kind, "budget_ms": plan.budget_ms, "cooldown_s": plan.cooldown_s,
+        "tiers": list(plan.tiers),
         "ttls": env, "every": str(plan.every), "delay": str(plan.delay), "start": to_utc(plan.start).isoformat(),
         "end": to_utc(plan.end).isoformat(), "wall_s": round(time.perf_counter() - t_all, 1)})
 
@@ -213,7 +216,8 @@ def serve_again(s: Settings, models: ModelSet, plan: ReplayPlan, events, visible
     source = event_source(events)
     env = dict(plan.ttls)
     server = Server(source.table(plan.start, plan.end), store, models.embedding_version,
-                    dim or int(models.ae.config["d_code"]), env, budget_ms=plan.budget_ms, cooldown_s=plan.cooldown_s)
+                    dim or int(models.ae.config["d_code"]), env, budget_ms=plan.budget_ms, cooldown_s=plan.cooldown_s,
+                    tiers=plan.tiers)
     try:
         for k, (T, at) in enumerate(visible):
             server.serve_until(at)

@@ -36,7 +36,7 @@ class Server:
     got: ``serve_until(t)`` serves every request before ``t`` not served yet; ``refresh`` is the refresh whose
     outputs the store holds (recorded with each row).
 
-    ``budget_ms`` and ``cooldown_s`` are the reader's (the replay evaluation passes the production reader's; the
+    ``budget_ms``, ``cooldown_s`` and ``tiers`` are the reader's (the replay evaluation passes the production reader's; the
     cooldown runs on the requests' clock, so it lasts as long in replayed time as in serving). With ``offline``,
     misses go where the next selection reads them when ``flush_misses`` is called (at each refresh interval's
     end): on a Redis store through the miss stream and its drain (``misses.drain_misses``, as the refresh DAG
@@ -45,7 +45,7 @@ class Server:
     requests spread over that hour, would drop what serving would not)."""
 
     def __init__(self, events: pa.Table, store: StoreConfig, version: str, dim: int, env: dict,
-                 offline: str | None = None, budget_ms: float = 1000.0, cooldown_s: float = 0.0):
+                 offline: str | None = None, budget_ms: float = 1000.0, cooldown_s: float = 0.0, tiers=None):
         from solaris_jobs.core.offline import misses_uri
         self.events, self.dim, self.store, self.offline = events, dim, store, offline
         self._now_s = 0.0                    # the request being served: the reader's cooldown runs on replayed time
@@ -53,7 +53,7 @@ class Server:
                                     misses="auto" if offline else None,
                                     misses_dir=misses_uri(offline) if offline else None,
                                     miss_queue_size=1_000_000, env=env, miss_flush_s=3600.0,
-                                    clock=lambda: self._now_s)
+                                    clock=lambda: self._now_s, tiers=tiers)
         req = group_requests(events)
         self.ts, self.users, self.items = req["ts_us"].to_numpy(), req["user_id"].to_numpy(), req["item_id"].to_numpy()
         self.rows = req["row"].to_numpy()

@@ -50,6 +50,10 @@ CODE_NAMES = {MISSING: "missing", STALE: "stale", OTHER_VERSION: "other_version"
 COUNT_OF = {"pair_fallbacks": "n_pairs", "user_aggregates": "n_pairs", "neighbours": "n_neighbours"}
 # The fallback tiers, in the order the reader falls back through them (pair-keyed first, then user-keyed).
 FALLBACKS = tuple(t for t in TIERS if t not in ("pair", "none"))
+# The fallbacks served by default: those whose value on their own rows had a validation lower bound above 0 in the
+# evaluation's tier choice (``solaris evaluate-tier-choice``, benchmarks/results/tier_choice_synth.json; held equal
+# by tests/test_evaluation.py::test_the_defaults_are_the_evaluated_configuration). Every tier until it has run.
+DEFAULT_TIERS = FALLBACKS
 READER_BUDGET_MS, READER_COOLDOWN_S = 10.0, 1.0      # a read's time budget; how long a failed store is skipped
 PAIR_KEYS = ("user_id", "item_id")
 
@@ -119,7 +123,7 @@ class FeatureReader:
         misses: ``auto`` (Redis stream for a Redis store, else parquet under ``misses_dir`` if given), None (off),
             or a sink object with ``write(records)`` and ``close()``.
         tiers: the fallback tiers served where no fresh pair embedding is (``FALLBACKS``' names, tried in that
-            order); None: every one.
+            order); None: ``DEFAULT_TIERS`` (the evaluated configuration).
         clock: what the cooldown after a failure is measured on (seconds; default the monotonic wall clock); a
             replay passes its request clock, so that a cooldown lasts as long in replayed time as in serving.
 
@@ -131,10 +135,11 @@ class FeatureReader:
                  cooldown_s: float = READER_COOLDOWN_S, misses="auto", misses_dir: str | Path | None = None,
                  miss_queue_size: int = 10_000, env=None, miss_flush_s: float = 0.5, tiers=None, clock=None):
         self.cfg, self.version, self.dim = cfg, model_version, dim
-        unknown = set(tiers or ()) - set(FALLBACKS)
+        tiers = DEFAULT_TIERS if tiers is None else tuple(tiers)
+        unknown = set(tiers) - set(FALLBACKS)
         if unknown:
             raise ValueError(f"unknown fallback tiers {sorted(unknown)}: the fallback tiers are {list(FALLBACKS)}")
-        self.budget_ms, self.cooldown_s = budget_ms, cooldown_s
+        self.budget_ms, self.cooldown_s, self.tiers = budget_ms, cooldown_s, tiers
         self._clock = clock or time.monotonic
         self.views = views(env)
         self.metrics = ServingMetrics()
@@ -159,7 +164,7 @@ class FeatureReader:
         # (tier, view, number of fields read) per tier served, in fallback order: the pair-keyed views (the pair's
         # own embedding first), then the user-keyed fallbacks.
         served = [(TIERS.index(v.tier), v, 4 if v.name in COUNT_OF else 3) for v in self.views.values()
-                  if v.tier == "pair" or (v.tier in FALLBACKS and (tiers is None or v.tier in tiers))]
+                  if v.tier == "pair" or v.tier in tiers]
         self._pair_views = [f for f in served if f[1].join_keys == PAIR_KEYS]
         self._fallbacks = [f for f in served if f[1].join_keys != PAIR_KEYS]
         self._user_fields = [f for _, v, n in self._fallbacks
