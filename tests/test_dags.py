@@ -370,7 +370,9 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
                                               "d_interaction": 32, "d_code": 8, "max_train_rows": 20_000,
                                               "seed": 1,     # seed 0 would reproduce the same weights
                                               # the ranker's VM trains on a replay of the log's last 3 days
-                                              "served_hours": 72, "served_every": "24h"}),
+                                              "served_hours": 72, "served_every": "24h",
+                                              "fm_lr": 3e-3, "fm_weight_decay": 1e-3, "fm_dropout": 0.2,
+                                              "fm_target_user": True, "verifier_epochs": 2}),
                  "SOLARIS_TRAIN_CRON": "none"}.items():
         monkeypatch.setenv(k, v)
     s = Settings.from_env()
@@ -383,6 +385,9 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     assert {p.name for p in current.iterdir()} >= {"fm.pt", "ae.pt", "vm.pt", "vm_transfer.pt"}
     # The ranker's VM was trained on what the replay's reader served with the new models (not on codes computed
     # for every row): its checkpoint says so, with the share of its training rows per tier.
+    _, fm_meta = load_checkpoint(current / "fm.pt", kind="fm")        # the FM's recipe from SOLARIS_TRAIN
+    assert (fm_meta["config"]["dropout"], fm_meta["config"]["target_user"]) == (0.2, True)
+    assert (fm_meta["extra"]["train"]["lr"], fm_meta["extra"]["train"]["weight_decay"]) == (3e-3, 1e-3)
     _, meta = load_checkpoint(current / "vm_transfer.pt", kind="vm")
     assert meta["config"]["fm_age"] and meta["extra"]["trained_on"] == "served features"
     served = pd.read_parquet(current / "served" / "served.parquet")

@@ -73,6 +73,17 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
     chosen = tier_choice.committed()
     if chosen is not None:
         assert DEFAULT_TIERS == tuple(chosen["chosen"]), chosen["validation"]
+    # The product's training (SOLARIS_TRAIN, `solaris train fm`) trains the evaluated FM, autoencoder and verifier.
+    m, t = cfg.models, st.TrainSettings()
+    from solaris_jobs.learning.training import TrainConfig
+    assert TrainConfig.of(t).patience == m.fm_patience and TrainConfig.of(t).lr == 2e-3     # the AE's and verifier's
+    assert (t.ae_epochs, t.verifier_epochs, t.verifier_patience) == (m.ae_epochs, m.vm_epochs, m.vm_patience)
+    assert {"epochs": t.epochs, "history_len": t.history_len, "batch_size": t.batch_size, "d_model": t.d_model,
+            "n_layers": t.layers, "d_interaction": t.d_interaction, "d_code": t.d_code, "fm_lr": t.fm_lr,
+            "fm_weight_decay": t.fm_weight_decay, "fm_dropout": t.fm_dropout, "fm_target_user": t.fm_target_user} \
+        == {"epochs": m.fm_epochs, "history_len": m.history_len, "batch_size": m.batch_size, "d_model": m.d_model,
+            "n_layers": m.n_layers, "d_interaction": m.d_interaction, "d_code": m.d_code, "fm_lr": m.fm_lr,
+            "fm_weight_decay": m.fm_weight_decay, "fm_dropout": m.fm_dropout, "fm_target_user": m.fm_target_user}
     searched = fm_search.committed()
     if searched is not None:
         assert fm_search.recipe_of(ModelsConfig()) == searched["chosen"]
@@ -124,14 +135,18 @@ def test_one_module_names_the_runtime_variables_and_the_readme_lists_them_all():
 def test_training_settings_are_typed_with_their_defaults_and_errors_name_the_setting():
     import dataclasses
     assert dataclasses.asdict(st.train_settings({})) == {
-        "epochs": 3, "history_len": 50, "batch_size": 256, "d_model": 64, "layers": 2, "d_interaction": 128,
-        "d_code": 32, "max_train_rows": None, "seed": 0, "served_hours": 24, "served_every": "1h"}
+        "epochs": 3, "history_len": 50, "batch_size": 512, "d_model": 64, "layers": 2, "d_interaction": 128,
+        "d_code": 32, "max_train_rows": None, "seed": 0, "served_hours": 24, "served_every": "1h",
+        "fm_lr": st.TrainSettings().fm_lr, "fm_weight_decay": st.TrainSettings().fm_weight_decay,
+        "fm_dropout": st.TrainSettings().fm_dropout, "fm_target_user": st.TrainSettings().fm_target_user,
+        "ae_epochs": 1, "verifier_epochs": 6, "verifier_patience": 2}
     got = st.train_settings({"SOLARIS_TRAIN": '{"epochs": 1, "served_every": "30min", "served_hours": 12}'})
     assert (got.epochs, got.served_every, got.served_hours, got.history_len) == (1, "30min", 12, 50)
     for raw, message in [('{"epochs": 0}', r"SOLARIS_TRAIN \(epochs\): Input should be greater than or equal to 1"),
                          ('{"max_train_rows": "many"}', r"SOLARIS_TRAIN \(max_train_rows\): Input should be a valid"),
+                         ('{"fm_dropout": 1}', r"SOLARIS_TRAIN \(fm_dropout\): Input should be less than 1"),
                          ('{"served_every": "soon"}', r"SOLARIS_TRAIN \(served_every\): Value error, not a duration"),
-                         ('{"lr": 1}', r"SOLARIS_TRAIN: unknown settings \['lr'\]; known: \['batch_size'"),
+                         ('{"lr": 1}', r"SOLARIS_TRAIN: unknown settings \['lr'\]; known: \['ae_epochs', 'batch_size'"),
                          ("[1]", "SOLARIS_TRAIN must be a JSON object"), ("{oops", "SOLARIS_TRAIN is not JSON")]:
         with pytest.raises(ValueError, match=message):
             st.train_settings({"SOLARIS_TRAIN": raw})

@@ -468,13 +468,22 @@ def env_log_level(env=None) -> str:
 @dataclass(frozen=True, config=_STRICT)
 class TrainSettings:
     """The training DAG's settings (``SOLARIS_TRAIN`` JSON); ``solaris train`` takes the same fields as flags."""
-    epochs: int = Field(3, ge=1, description="Maximum epochs (early stopping on valid BCE).")
+    epochs: int = Field(3, ge=1, description="The FM's maximum epochs (early stopping on valid BCE, patience 1).")
     history_len: int = Field(50, ge=1, description="History length L.")
-    batch_size: int = Field(256, ge=1, description="Training batch size.")
+    batch_size: int = Field(512, ge=1, description="Training batch size.")
     d_model: int = Field(64, ge=1, description="FM model width.")
     layers: int = Field(2, ge=1, description="FM sequence-encoder layers.")
     d_interaction: int = Field(128, ge=1, description="Width of the interaction embedding h(u, i).")
     d_code: int = Field(32, ge=1, description="Code width D (what the VM and the feature store take).")
+    # The FM's recipe: the evaluated one (the evaluation's ModelsConfig, chosen by #40's validation search; held equal
+    # by tests/test_settings.py::test_the_defaults_are_the_evaluated_configuration).
+    fm_lr: float = Field(2e-3, gt=0, description="The FM's learning rate.")
+    fm_weight_decay: float = Field(0.0, ge=0, description="The FM's weight decay (AdamW).")
+    fm_dropout: float = Field(0.1, ge=0, lt=1, description="The FM's dropout.")
+    fm_target_user: bool = Field(False, description="The FM trunk's target x user product.")
+    ae_epochs: int = Field(1, ge=1, description="The autoencoder's epochs.")
+    verifier_epochs: int = Field(6, ge=1, description="The verifier's maximum epochs (early stopping on valid BCE).")
+    verifier_patience: int = Field(2, ge=1, description="The verifier's early-stopping patience (epochs).")
     max_train_rows: int | None = Field(None, ge=1, description="Subsample large logs: N training rows, N/4 valid "
                                                                 "and N/4 test rows.")
     seed: int = Field(0, ge=0, description="Random seed.")

@@ -135,7 +135,9 @@ class ModelsConfig:
     fm_weight_decay: float = 0.0
     fm_dropout: float = 0.1
     fm_target_user: bool = False             # the trunk's target x user product
-    vm_epochs: int = 6
+    ae_epochs: int = 1
+    vm_epochs: int = 6                       # the verifier's, at most (early stopping, patience vm_patience)
+    vm_patience: int = 2
     batch_size: int = 512
     max_train_rows: int | None = None        # None: every row before fm_valid_from trains
     report_rows: int = 150_000               # the trainers' own "test" rows [t1, ...): reported, never used
@@ -181,11 +183,11 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     tc = cfg.fm_train(seed)
     # Hours at the full size: resumable per epoch when the run is interrupted.
     fm = training.train_fm(data, out / "fm.pt", tc, resume_key=json.dumps(key, sort_keys=True), **cfg.fm_args())
-    # The autoencoder's own recipe (5 epochs, the trainers' default learning rate), whatever the FM's.
+    # The autoencoder's and the verifier's own recipes (the trainers' default learning rate), whatever the FM's.
     base = training.TrainConfig(batch_size=cfg.batch_size, seed=seed, history_len=cfg.history_len,
                                 max_train_rows=cfg.max_train_rows)
-    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", replace(base, epochs=1), d_code=cfg.d_code)
-    vm = training.train_verifier(data, out / "vm.pt", replace(base, epochs=cfg.vm_epochs, patience=2))
+    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", replace(base, epochs=cfg.ae_epochs), d_code=cfg.d_code)
+    vm = training.train_verifier(data, out / "vm.pt", replace(base, epochs=cfg.vm_epochs, patience=cfg.vm_patience))
     keep = lambda m: {k: v for k, v in m.items() if k != "history"}
     metrics = {"fm": keep(fm), "ae": keep(ae), "vm": keep(vm)}
     stamp.write_text(json.dumps({"key": key, "metrics": metrics, "fm_history": fm["history"]}, indent=1,

@@ -150,15 +150,16 @@ def report_config(cfg: EvalConfig) -> dict:
     from solaris_jobs.evaluation import fm_search, tier_choice
     from solaris_jobs.pipeline.history import COUNTER_COLS
     searched, chosen = fm_search.committed(), tier_choice.committed()
+    searched = searched if searched and cfg.dataset == "synth" and fm_search.recipe_of(cfg.models) == \
+        searched["chosen"] else None
+    chosen = {k: chosen[k] for k in ("method", "seed", "commit", "validation", "chosen")} if chosen and \
+        list(cfg.tiers) == chosen["chosen"] and cfg.dataset == chosen["config"]["dataset"] else None
     return {**json.loads(json.dumps(cfg.key(), default=str)),
             "ranker_inputs": {"counters": list(COUNTER_COLS), "recency": list(RECENCY_INPUTS),
                               "solaris_variants_add": ["fm_emb (one slot per tier)", "tier", "fm_age_h",
                                                       "fm_count"]},
             # The validation choices this run's settings come from, where they do (None where they do not).
-            "fm_search": searched if searched and cfg.dataset == "synth" and fm_search.recipe_of(cfg.models) == searched["chosen"] else None,
-            "tier_choice": {k: chosen[k] for k in ("method", "seed", "commit", "validation", "chosen")}
-            if chosen and list(cfg.tiers) == chosen["chosen"] and cfg.dataset == chosen["config"]["dataset"]
-            else None}
+            "fm_search": searched, "tier_choice": chosen}
 
 
 def code_commit() -> dict:

@@ -22,7 +22,8 @@ from solaris_jobs.evaluation.windows import fm_per_row
 
 def run_seed(ctx: SeedContext, with_curves: bool, names=None) -> dict:
     """The headline numbers of one seed (and, with ``with_curves``, the budget and cadence curves, the secondary
-    training window, the KD grid check and the comparison without the recency inputs); ``names``: the variants to train (default all)."""
+    training window, the KD grid check and the comparison without the recency inputs); ``names``: the variants to
+    train (default all)."""
     cfg = ctx.cfg
     t_seed = time.perf_counter()
     model_metrics = train_models(ctx.root, ctx.protocol, ctx.seed, ctx.out / "models", cfg.models,

@@ -105,7 +105,10 @@ def data_candidates(root, cutoff, users, n_candidates) -> None:
 def _train_field(flag: str, field: str):
     """An option of a ``TrainSettings`` field: its default and its description from the settings."""
     from solaris_jobs.core.settings import TrainSettings, describe
-    return click.option(flag, field, default=getattr(TrainSettings(), field), type=int,
+    default = getattr(TrainSettings(), field)
+    if isinstance(default, bool):
+        return click.option(f"{flag}/--no-{flag[2:]}", field, default=default, help=describe(field, TrainSettings))
+    return click.option(flag, field, default=default, type=float if isinstance(default, float) else int,
                         help=describe(field, TrainSettings))
 
 
@@ -116,7 +119,6 @@ def _train_options(f):
         click.option("--out", required=True, type=click.Path(dir_okay=False), help="Checkpoint to write."),
         _train_field("--epochs", "epochs"),
         _train_field("--batch-size", "batch_size"),
-        click.option("--lr", default=2e-3),
         _train_field("--seed", "seed"),
         _train_field("--history-len", "history_len"),
         click.option("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
@@ -133,7 +135,8 @@ def _train_run(kw: dict):
     from solaris_jobs.learning import training
     fields = {k: kw.pop(k) for k in list(kw) if k in TrainSettings.__pydantic_fields__}
     ts = validate_train(fields, {k: "--" + k.replace("_", "-") for k in fields})
-    cfg = training.TrainConfig.of(ts, lr=kw.pop("lr"), device=kw.pop("device"))
+    lr = kw.pop("lr", None)               # the autoencoder's and the VM's (the FM's is its recipe's: fm_lr)
+    cfg = training.TrainConfig.of(ts, device=kw.pop("device"), **({"lr": lr} if lr is not None else {}))
     # Labels as the refresh sees them: an event's label only ``label_delay_minutes`` after it (the last minutes
     # before the test split unlabelled), from the same settings the refresh reads.
     delay = Settings.from_env(require=False).precompute.label_delay_minutes
@@ -156,16 +159,25 @@ def train() -> None:
 @_train_field("--d-model", "d_model")
 @_train_field("--layers", "layers")
 @_train_field("--d-interaction", "d_interaction")
+@_train_field("--lr", "fm_lr")
+@_train_field("--weight-decay", "fm_weight_decay")
+@_train_field("--dropout", "fm_dropout")
+@_train_field("--target-user", "fm_target_user")
 def train_fm(out, **kw):
-    """Train the foundation model (sequence model with target attention, label and rating heads)."""
+    """Train the foundation model (sequence model with target attention, label and rating heads); the recipe's
+    defaults are the evaluated ones."""
+    from dataclasses import replace
+
+    from solaris_jobs.flows.training_steps import fm_args
     from solaris_jobs.learning import training
     ts, cfg, data = _train_run(kw)
-    _echo_json(_summary(training.train_fm(data, out, cfg, d_model=ts.d_model, n_layers=ts.layers,
-                                          d_interaction=ts.d_interaction)))
+    _echo_json(_summary(training.train_fm(data, out, replace(cfg, lr=ts.fm_lr, weight_decay=ts.fm_weight_decay),
+                                          **fm_args(ts))))
 
 
 @train.command("ae")
 @_train_options
+@click.option("--lr", default=2e-3, help="Learning rate.")
 @click.option("--fm", "fm_path", required=True, type=click.Path(exists=True, dir_okay=False))
 @_train_field("--d-code", "d_code")
 def train_ae(out, fm_path, **kw):
@@ -177,6 +189,7 @@ def train_ae(out, fm_path, **kw):
 
 @train.command("vm")
 @_train_options
+@click.option("--lr", default=2e-3, help="Learning rate.")
 @click.option("--mode", type=click.Choice(["plain", "kd", "transfer"]), default="plain",
               help="plain: no FM; kd: FM soft labels; transfer: FM embedding (through the AE) as an input.")
 @click.option("--fm", "fm_path", type=click.Path(exists=True, dir_okay=False), default=None)
