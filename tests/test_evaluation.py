@@ -641,3 +641,22 @@ def test_the_across_seed_interval_resamples_seeds_and_users_on_a_hand_made_case(
     assert across_seed_summary(summaries[:2])["criterion"]["met"] is None           # too few seeds to decide
     worse = [seed_summary(seed_result(k, 0.1)) for k in range(MIN_SEEDS)]            # SOLARIS keeps what KD keeps
     assert across_seed_summary(worse)["criterion"]["met"] is False
+    # Coverage by the tiers that carry value: per seed, the test shares of the tiers whose own lower bound is above
+    # 0; across seeds, of the tiers whose across-seed bound is, averaged over the seeds.
+    from solaris_jobs.evaluation.targets import check_targets
+    tv = lambda q: {"value": float(np.mean(q)), "quantiles": list(q), "carries_value": bool(np.quantile(q, .025) > 0)}
+    for k, s in enumerate(summaries):
+        s["coverage"] = {"shares": {"pair": 0.6 + 0.05 * (k % 2), "item_aware": 0.3, "neighbour": 0.05},
+                         "any_tier": 0.95, "pair_of_ceiling": 0.8}
+        s["tier_value"] = {"pair": tv(np.linspace(0.01, 0.03, 11)), "item_aware": tv(np.linspace(-0.01, 0.02, 11)),
+                           "neighbour": tv(np.linspace(0.01, 0.02, 11))}
+    per = check_targets(summaries)
+    assert [p["valued_tiers_cover_at_least_85pct"] for p in per["per_seed"]] == [False] * MIN_SEEDS   # 0.65-0.7
+    valued = per["across_seeds"]["valued_coverage"]
+    assert valued["tiers"] == ["pair", "neighbour"] and valued["share"] == pytest.approx(0.05 + 0.6 + 0.05 * 2 / 5)
+    assert valued["met"] is False
+    for s in summaries:
+        s["tier_value"]["item_aware"] = tv(np.linspace(0.01, 0.02, 11))
+    per = check_targets(summaries)
+    assert all(p["valued_tiers_cover_at_least_85pct"] for p in per["per_seed"])
+    assert per["across_seeds"]["valued_coverage"]["met"] is True

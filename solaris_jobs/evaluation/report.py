@@ -219,13 +219,14 @@ def _md_targets(report: dict) -> list[str]:
     """## Targets: each target per seed, the headline numbers across seeds, the parts a merged report joins."""
     L = ["", "## Targets", "",
          "| seed | FM beats VM >= 2% | TR(all tiers) >= 0.3 | TR >= 1.5 x TR(KD) (paired bound) | "
-         "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row (pairs + user embeddings) |",
-         "|---|---|---|---|---|---|---|"]
+         "pair >= 80% of ceiling | any tier >= 90% | <= 1 FM inference / row (pairs + user embeddings) | "
+         "tiers with value >= 85% |", "|---|---|---|---|---|---|---|---|"]
     yes = lambda b: "n/a: KD's TR interval reaches 0" if b is None else ("yes" if b else "**no**")
     for p in report["targets"]["per_seed"]:
         L.append(f"| {p['seed']} | {yes(p['fm_beats_vm_by_2pct'])} | {yes(p['tr_solaris_at_least_0.3'])} | "
                  f"{yes(p['tr_solaris_at_least_1.5x_kd'])} | {yes(p['pair_at_least_80pct_of_ceiling'])} | "
-                 f"{yes(p['any_tier_at_least_90pct'])} | {yes(p['fm_per_row_at_most_1'])} |")
+                 f"{yes(p['any_tier_at_least_90pct'])} | {yes(p['fm_per_row_at_most_1'])} | "
+                 f"{_yes_valued(p.get('valued_tiers_cover_at_least_85pct'))} |")
     if len(report["summary"]) > 1:
         L += ["", f"Across seeds {report['seeds']}: " + "; ".join(
             f"{name} mean {_f(np.mean(xs), 3)} (min {_f(min(xs), 3)}, max {_f(max(xs), 3)})"
@@ -251,7 +252,15 @@ def _md_across_seeds(a: dict | None) -> list[str]:
     if a.get("tier_value"):
         L += ["", "Value of each tier on its own test rows across seeds: " + "; ".join(
             f"{t} {_f(v['value'], 5)}{_ci(v['ci'], 5)}" for t, v in a["tier_value"].items()) + "."]
+    v = a.get("valued_coverage")
+    if v:
+        L += ["", f"Test rows served by the tiers that carry value across seeds ({', '.join(v['tiers']) or 'none'}): "
+                  f"{_f(v['share'], 3)} (target >= 0.85: {'met' if v['met'] else '**not met**'})."]
     return L
+
+
+def _yes_valued(b) -> str:
+    return "n/a: no tier values" if b is None else ("yes" if b else "**no**")
 
 
 def _md_seed(r: dict) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from solaris_jobs.evaluation import metrics
 
 TARGETS = {"fm_beats_vm_relative": 0.02, "tr_solaris_min": 0.3, "kd_factor": 1.5, "pair_of_ceiling_min": 0.8,
-           "any_tier_min": 0.9, "fm_per_row_max": 1.0}
+           "any_tier_min": 0.9, "fm_per_row_max": 1.0, "valued_coverage_min": 0.85}
 # The headline criterion (#40) is decided across seeds, each with its own data draw and models: at least this many.
 MIN_SEEDS = 5
 
@@ -23,7 +23,7 @@ def seed_summary(r: dict) -> dict:
             "dbce_quantiles": t.get("dbce_quantiles"), "dbce_criterion": t.get("dbce_criterion"), "coverage": {k: r["headline"]["coverage"]["test"].get(k) for k in
                                                       ("shares", "any_tier", "ceiling", "pair_of_ceiling")},
             "fm_per_row": r["fm_per_row"]["per_row"], "fm_total_per_row": r["fm_per_row"].get("total_per_row"),
-            "tier_value": {k: {"value": x["value"], "quantiles": x["quantiles"]}
+            "tier_value": {k: {"value": x["value"], "quantiles": x["quantiles"], "carries_value": x["carries_value"]}
                            for k, x in ((r.get("tier_value") or {}).get("test") or {}).items()}}
 
 
@@ -49,11 +49,25 @@ def check_targets(summaries: list[dict]) -> dict:
             "any_tier_at_least_90pct": bool((s["coverage"]["any_tier"] or 0) >= T["any_tier_min"]),
             # All FM work counts: pair inferences and the neighbour tier's user embeddings.
             "fm_per_row_at_most_1": bool(s["fm_total_per_row"] is not None
-                                         and s["fm_total_per_row"] <= T["fm_per_row_max"])})
+                                         and s["fm_total_per_row"] <= T["fm_per_row_max"]),
+            # The test rows served by tiers whose value on their own test rows has a lower bound above 0.
+            "valued_tiers_cover_at_least_85pct": (None if valued_coverage(s) is None
+                                                  else bool(valued_coverage(s) >= T["valued_coverage_min"]))})
     keys = [k for k in (per[0] if per else {}) if k != "seed"]
     return {"targets": T, "per_seed": per,
             "all_met": {k: None if any(p[k] is None for p in per) else all(p[k] for p in per) for k in keys},
             "across_seeds": across_seed_summary(summaries)}
+
+
+def valued_coverage(s: dict, carries: dict | None = None) -> float | None:
+    """The share of a seed's test rows served by tiers that carry value (``carries``: tier -> bool; default the
+    seed's own test intervals); None without tier values (a report written before #40)."""
+    tv = s.get("tier_value") or {}
+    carries = carries if carries is not None else {k: x.get("carries_value") for k, x in tv.items()}
+    if not tv or any(v is None for v in carries.values()):
+        return None
+    shares = s["coverage"]["shares"] or {}
+    return float(sum(shares.get(k) or 0.0 for k, c in carries.items() if c))
 
 
 def across_seed_summary(summaries: list[dict]) -> dict | None:
@@ -80,7 +94,13 @@ def across_seed_summary(summaries: list[dict]) -> dict | None:
         r = metrics.across_seeds([s["tier_value"][k]["quantiles"] for s in summaries],
                                  [s["tier_value"][k]["value"] for s in summaries])
         value[k] = {"value": r["value"], "ci": r["ci"], "carries_value": bool(r["ci"][0] > 0)}
-    return {"criterion": crit, "dbce": dbce, "tier_value": value, "seeds": [s["seed"] for s in summaries]}
+    carries = {k: v["carries_value"] for k, v in value.items()}
+    covered = [valued_coverage(s, carries) for s in summaries] if value else []
+    valued = None if not covered or None in covered else {
+        "tiers": [k for k, c in carries.items() if c], "share": sum(covered) / len(covered),
+        "met": bool(sum(covered) / len(covered) >= TARGETS["valued_coverage_min"])}
+    return {"criterion": crit, "dbce": dbce, "tier_value": value, "valued_coverage": valued,
+            "seeds": [s["seed"] for s in summaries]}
 
 
 def _kd_transfers(s: dict) -> bool:
