@@ -477,10 +477,10 @@ class TrainSettings:
     d_code: int = Field(32, ge=1, description="Code width D (what the VM and the feature store take).")
     # The FM's recipe: the evaluated one (the evaluation's ModelsConfig, chosen by #40's validation search; held equal
     # by tests/test_settings.py::test_the_defaults_are_the_evaluated_configuration).
-    fm_lr: float = Field(2e-3, gt=0, description="The FM's learning rate.")
-    fm_weight_decay: float = Field(0.0, ge=0, description="The FM's weight decay (AdamW).")
+    fm_lr: float = Field(4e-3, gt=0, description="The FM's learning rate.")
+    fm_weight_decay: float = Field(1e-2, ge=0, description="The FM's weight decay (AdamW).")
     fm_dropout: float = Field(0.1, ge=0, lt=1, description="The FM's dropout.")
-    fm_target_user: bool = Field(False, description="The FM trunk's target x user product.")
+    fm_target_user: bool = Field(True, description="The FM trunk's target x user product.")
     ae_epochs: int = Field(1, ge=1, description="The autoencoder's epochs.")
     verifier_epochs: int = Field(6, ge=1, description="The verifier's maximum epochs (early stopping on valid BCE).")
     verifier_patience: int = Field(2, ge=1, description="The verifier's early-stopping patience (epochs).")

@@ -131,10 +131,10 @@ class ModelsConfig:
     history_len: int = 50
     fm_epochs: int = 3                       # at most; early stopping on [fm_valid_from, t1)
     fm_patience: int = 1
-    fm_lr: float = 2e-3
-    fm_weight_decay: float = 0.0
+    fm_lr: float = 4e-3
+    fm_weight_decay: float = 1e-2
     fm_dropout: float = 0.1
-    fm_target_user: bool = False             # the trunk's target x user product
+    fm_target_user: bool = True              # the trunk's target x user product
     ae_epochs: int = 1
     vm_epochs: int = 6                       # the verifier's, at most (early stopping, patience vm_patience)
     vm_patience: int = 2
