@@ -457,10 +457,11 @@ def test_the_tier_choice_reads_seed_0s_validation_from_the_headlines_own_runs(ti
     or replayed), each tier's value on its validation rows equal to the report's, and the tiers kept exactly those
     whose lower bound is above 0, in fallback order."""
     from solaris_jobs.evaluation import tier_choice
+    from solaris_jobs.evaluation.run import choose_tiers
     from solaris_jobs.online.reader import FALLBACKS
     out, report = tiny_eval
     made = {p: p.stat().st_mtime_ns for p in [*out.rglob("done.json"), *out.rglob("vm_cache/*.pt")]}
-    table = tier_choice.run(TINY, out)
+    table = choose_tiers(TINY, out)
     assert {p: p.stat().st_mtime_ns for p in made} == made and len(made) >= 4
     assert table["validation"] == report["per_seed"][0]["tier_value"]["validation"]
     assert table["chosen"] == [t for t in FALLBACKS if table["validation"][t]["carries_value"]]

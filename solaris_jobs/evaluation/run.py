@@ -125,6 +125,39 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     return write(True)
 
 
+def choose_tiers(cfg: EvalConfig, out: Path) -> dict:
+    """The tier choice (``tier_choice``) on ``cfg``'s first seed, every fallback served, into ``out`` (the headline
+    evaluation's folder: its data, models, replay and VMs are shared) and returns its table: each tier's value on
+    its validation rows with its interval, and the tiers kept."""
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.evaluation import tier_choice, variants
+    from solaris_jobs.evaluation.protocol import train_models
+    from solaris_jobs.evaluation.scoring import tier_values
+    from solaris_jobs.evaluation.seed import replay_base, variant_table
+    from solaris_jobs.online.reader import FALLBACKS
+    from solaris_jobs.pipeline.event_source import EventTable
+    cfg = replace(cfg, tiers=FALLBACKS)
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    freeze_code_versions()
+    seed = cfg.seeds[0]
+    root = dataset_root(cfg, out, seed=seed)
+    table = ev.read_events(root)
+    ctx = SeedContext(cfg, root, out / f"seed{seed}", protocol_of(cfg, table), seed, EventTable(table, str(root)),
+                      eval_session(cfg))
+    train_models(ctx.root, ctx.protocol, seed, ctx.out / "models", cfg.models, cfg.label_delay_minutes)
+    base = replay_base(ctx, with_curves=cfg.curves)
+    served, _ = base.served_at(cfg.budget)
+    tab = variant_table(ctx, base, served)
+    fits = variants.train_variants(tab, seed, cfg.vm_epochs, cfg.vm_batch_size, names=tier_choice.VARIANTS,
+                                   grid_points=cfg.grid_points, cache=ctx.out / "vm_cache")
+    values = tier_values(tab, fits, 1, cfg.n_boot, seed)
+    return {"method": tier_choice.METHOD, "seed": seed, "data_seed": data_seed(cfg, seed), "commit": code_commit(),
+            "validation": values, "chosen": list(tier_choice.choose(values)),
+            "variants": {k: {kk: v[kk] for kk in ("params", "valid_bce")} for k, v in fits.items()},
+            "config": report_config(cfg)}
+
+
 def _sweep_point(cfg: EvalConfig, out: Path, share: float, seeds: list[dict], spark) -> dict:
     """The sweep's point at ``share``: the seed ``sweep_seed`` run on that share's data (its headline run when the
     share is the headline's)."""

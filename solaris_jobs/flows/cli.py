@@ -337,7 +337,8 @@ def evaluate_tier_choice_cmd(out, result, master) -> None:
 
     from solaris_jobs.evaluation import tier_choice
     from solaris_jobs.evaluation.config import EvalConfig
-    table = tier_choice.run(replace(EvalConfig(), spark_master=master), Path(out))
+    from solaris_jobs.evaluation.run import choose_tiers
+    table = choose_tiers(replace(EvalConfig(), spark_master=master), Path(out))
     path = Path(result) if result else tier_choice.RESULT
     path.write_text(json.dumps(table, indent=1, default=str) + "\n")
     for t, v in (table["validation"] or {}).items():
