@@ -180,7 +180,7 @@ def test_the_budget_reach_ranks_and_selects_as_the_whole_pool(spark):
 TINY = EvalConfig(
     synth=SynthConfig(users=250, items=200, days=2, seed=3, calibration_users=250), seeds=(0,), sequence_shares=(),
     train_days=1.0, served_days=0.5, test_days=0.5, valid_hours=4.0, fm_valid_hours=4.0, cadence="6h",
-    budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence="3h", fast_hours_before=6.0, fast_hours_after=6.0,
+    budgets=(0.5, 1.0), budget=0.5, slow_cadence=2, fast_cadence="3h", fast_hours_before=3.0, fast_hours_after=3.0,
     n_candidates=10, n_boot=50, vm_epochs=2,
     vm_batch_size=512, grid_points=2, spark_master="local[2]",
     # The production reader's 10 ms would let a loaded 2-core CI machine's scheduling fail reads open at random,
