@@ -388,6 +388,8 @@ def test_train_dag_publishes_a_version_and_reembeds(airflow_env, spark, tmp_path
     _, fm_meta = load_checkpoint(current / "fm.pt", kind="fm")        # the FM's recipe from SOLARIS_TRAIN
     assert (fm_meta["config"]["dropout"], fm_meta["config"]["target_user"]) == (0.2, True)
     assert (fm_meta["extra"]["train"]["lr"], fm_meta["extra"]["train"]["weight_decay"]) == (3e-3, 1e-3)
+    _, vm_meta = load_checkpoint(current / "vm.pt", kind="vm")          # the verifier's epochs and patience
+    assert (vm_meta["extra"]["train"]["epochs"], vm_meta["extra"]["train"]["patience"]) == (2, 2)
     _, meta = load_checkpoint(current / "vm_transfer.pt", kind="vm")
     assert meta["config"]["fm_age"] and meta["extra"]["trained_on"] == "served features"
     served = pd.read_parquet(current / "served" / "served.parquet")

@@ -468,7 +468,8 @@ def env_log_level(env=None) -> str:
 @dataclass(frozen=True, config=_STRICT)
 class TrainSettings:
     """The training DAG's settings (``SOLARIS_TRAIN`` JSON); ``solaris train`` takes the same fields as flags."""
-    epochs: int = Field(3, ge=1, description="The FM's maximum epochs (early stopping on valid BCE, patience 1).")
+    epochs: int = Field(3, ge=1, description="Maximum epochs: the FM's in the training DAG (early stopping on valid "
+                                             "BCE, patience 1).")
     history_len: int = Field(50, ge=1, description="History length L.")
     batch_size: int = Field(512, ge=1, description="Training batch size.")
     d_model: int = Field(64, ge=1, description="FM model width.")

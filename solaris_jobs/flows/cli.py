@@ -128,13 +128,18 @@ def _train_options(f):
     return f
 
 
+# ``solaris train fm`` names the FM's recipe fields without their prefix.
+FLAG_OF = {"fm_lr": "--lr", "fm_weight_decay": "--weight-decay", "fm_dropout": "--dropout",
+           "fm_target_user": "--target-user"}
+
+
 def _train_run(kw: dict):
     """The training settings of the flags in ``kw`` (validated: an error names the flag), the trainers' settings,
     and the data set they read."""
     from solaris_jobs.core.settings import Settings, TrainSettings, validate_train
     from solaris_jobs.learning import training
     fields = {k: kw.pop(k) for k in list(kw) if k in TrainSettings.__pydantic_fields__}
-    ts = validate_train(fields, {k: "--" + k.replace("_", "-") for k in fields})
+    ts = validate_train(fields, {k: FLAG_OF.get(k, "--" + k.replace("_", "-")) for k in fields})
     lr = kw.pop("lr", None)               # the autoencoder's and the VM's (the FM's is its recipe's: fm_lr)
     cfg = training.TrainConfig.of(ts, device=kw.pop("device"), **({"lr": lr} if lr is not None else {}))
     # Labels as the refresh sees them: an event's label only ``label_delay_minutes`` after it (the last minutes
@@ -180,11 +185,16 @@ def train_fm(out, **kw):
 @click.option("--lr", default=2e-3, help="Learning rate.")
 @click.option("--fm", "fm_path", required=True, type=click.Path(exists=True, dir_okay=False))
 @_train_field("--d-code", "d_code")
+@_train_field("--ae-epochs", "ae_epochs")
 def train_ae(out, fm_path, **kw):
-    """Train the autoencoder on the FM's interaction embeddings; report reconstruction error."""
+    """Train the autoencoder on the FM's interaction embeddings (``--ae-epochs``, the evaluated recipe; not
+    ``--epochs``); report reconstruction error."""
+    from dataclasses import replace
+
     from solaris_jobs.learning import training
     ts, cfg, data = _train_run(kw)
-    _echo_json(_summary(training.train_ae(data, fm_path, out, cfg, d_code=ts.d_code)))
+    _echo_json(_summary(training.train_ae(data, fm_path, out, replace(cfg, epochs=ts.ae_epochs),
+                                          d_code=ts.d_code)))
 
 
 @train.command("vm")
@@ -198,12 +208,19 @@ def train_ae(out, fm_path, **kw):
 @click.option("--kd-weight", default=0.5, help="kd: weight of the FM soft label in the loss.")
 @click.option("--verifier", is_flag=True, help="the refresh's verifier (plain, without the rankers' recency inputs, "
               "which the select step does not compute).")
+@_train_field("--verifier-epochs", "verifier_epochs")
+@_train_field("--verifier-patience", "verifier_patience")
 def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, verifier, **kw):
-    """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding; or the verifier."""
+    """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding; or the verifier (its
+    epochs and patience: ``--verifier-epochs``, ``--verifier-patience``, the evaluated recipe)."""
+    from dataclasses import replace
+
     from solaris_jobs.learning import training
     if verifier and mode != "plain":
         raise click.UsageError("--verifier trains the plain VM; it takes no --mode")
-    _, cfg, data = _train_run(kw)
+    ts, cfg, data = _train_run(kw)
+    if verifier:
+        cfg = replace(cfg, epochs=ts.verifier_epochs, patience=ts.verifier_patience)
     _echo_json(_summary(training.train_vm(data, out, cfg, mode=mode, fm_path=fm_path, ae_path=ae_path,
                                           coverage=coverage, kd_weight=kd_weight, recency=not verifier)))
 
@@ -249,9 +266,9 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 @click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
               "data, checkpoints, replays and FM outputs are cached under it.")
-@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2,3,4; --quick: 0); 'none' runs only the "
-                                         "sweep, to be joined with evaluate-merge. The sweep always runs at seed 0: a "
-                                         "run of other seeds apart takes --sequence-shares none.")
+@click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2,3,4; --quick: 0); 'none' runs "
+                                         "only the sweep, to be joined with evaluate-merge. The sweep always runs at "
+                                         "seed 0: a run of other seeds apart takes --sequence-shares none.")
 @click.option("--quick", is_flag=True, help="Minutes instead of hours: 1,000 synthetic users over 2.5 days, one seed, "
                                             "small models, no sweep (too small for the targets).")
 @click.option("--users", default=None, type=int, help="Synthetic users (default 5000; --quick 1000).")

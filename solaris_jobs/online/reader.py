@@ -52,7 +52,7 @@ COUNT_OF = {"pair_fallbacks": "n_pairs", "user_aggregates": "n_pairs", "neighbou
 FALLBACKS = tuple(t for t in TIERS if t not in ("pair", "none"))
 # The fallbacks served by default: those whose value on their own rows had a validation lower bound above 0 in the
 # evaluation's tier choice (``solaris evaluate-tier-choice``, benchmarks/results/tier_choice_synth.json; held equal
-# by tests/test_evaluation.py::test_the_defaults_are_the_evaluated_configuration). Every tier until it has run.
+# by tests/test_settings.py::test_the_defaults_are_the_evaluated_configuration). Every tier until it has run.
 DEFAULT_TIERS = FALLBACKS
 READER_BUDGET_MS, READER_COOLDOWN_S = 10.0, 1.0      # a read's time budget; how long a failed store is skipped
 PAIR_KEYS = ("user_id", "item_id")
