@@ -460,9 +460,11 @@ def test_the_tier_choice_reads_seed_0s_validation_from_the_headlines_own_runs(ti
     from solaris_jobs.evaluation.run import choose_tiers
     from solaris_jobs.online.reader import FALLBACKS
     out, report = tiny_eval
-    made = {p: p.stat().st_mtime_ns for p in [*out.rglob("done.json"), *out.rglob("vm_cache/*.pt")]}
+    made = lambda: {p: p.stat().st_mtime_ns for p in [*out.rglob("done.json"), *out.rglob("vm_cache/*.pt"),
+                                                       *out.rglob("trained.json")]}
+    before = made()
     table = choose_tiers(TINY, out)
-    assert {p: p.stat().st_mtime_ns for p in made} == made and len(made) >= 4
+    assert made() == before and len(before) >= 5                 # nothing new, nothing rewritten
     assert table["validation"] == report["per_seed"][0]["tier_value"]["validation"]
     assert table["chosen"] == [t for t in FALLBACKS if table["validation"][t]["carries_value"]]
     assert table["seed"] == 0 and table["config"]["tiers"] == list(FALLBACKS) and table["method"].startswith("Declared")
