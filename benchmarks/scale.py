@@ -71,16 +71,19 @@ STAGES = ("select", "embed", "aggregate", "neighbours", "materialize")
 
 
 def train_models(data: Path, out: Path) -> dict:
-    """Production-size FM, AE and verifier VM, one epoch on 200K rows of ``data``."""
+    """The product's FM, AE and verifier VM (its widths and recipes, the evaluated ones: ``TrainSettings``'
+    defaults), the FM for one epoch, on 200K rows of ``data``: the FM's trunk is what costs at inference, and it
+    is the product's."""
+    from solaris_jobs.core.settings import TrainSettings
     from solaris_jobs.learning import training
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    ds = training.load_dataset(str(data), history_len=50, max_train_rows=200_000)
-    cfg = training.TrainConfig(epochs=1, history_len=50, max_train_rows=200_000)
-    training.train_fm(ds, out / "fm.pt", cfg)
-    training.train_ae(ds, out / "fm.pt", out / "ae.pt", cfg)
-    training.train_verifier(ds, out / "vm.pt", cfg)
-    return {"seconds": round(time.perf_counter() - t0, 1), "trained_on": str(data)}
+    ts = TrainSettings(epochs=1, max_train_rows=200_000)
+    ds = training.load_dataset(str(data), history_len=ts.history_len, max_train_rows=ts.max_train_rows)
+    training.train_as_product("fm", ds, out / "fm.pt", ts)
+    training.train_as_product("ae", ds, out / "ae.pt", ts, fm_path=out / "fm.pt")
+    training.train_as_product("verifier", ds, out / "vm.pt", ts)
+    return {"seconds": round(time.perf_counter() - t0, 1), "trained_on": str(data), "train_settings": ts.model_dump()}
 
 
 def settings_for(config: str, data: Path, offline: Path, models: Path, master: str):

@@ -171,13 +171,9 @@ def train() -> None:
 def train_fm(out, **kw):
     """Train the foundation model (sequence model with target attention, label and rating heads); the recipe's
     defaults are the evaluated ones."""
-    from dataclasses import replace
-
-    from solaris_jobs.flows.training_steps import fm_args
     from solaris_jobs.learning import training
     ts, cfg, data = _train_run(kw)
-    _echo_json(_summary(training.train_fm(data, out, replace(cfg, lr=ts.fm_lr, weight_decay=ts.fm_weight_decay),
-                                          **fm_args(ts))))
+    _echo_json(_summary(training.train_as_product("fm", data, out, ts, cfg)))
 
 
 @train.command("ae")
@@ -189,12 +185,9 @@ def train_fm(out, **kw):
 def train_ae(out, fm_path, **kw):
     """Train the autoencoder on the FM's interaction embeddings (``--ae-epochs``, the evaluated recipe; not
     ``--epochs``); report reconstruction error."""
-    from dataclasses import replace
-
     from solaris_jobs.learning import training
     ts, cfg, data = _train_run(kw)
-    _echo_json(_summary(training.train_ae(data, fm_path, out, replace(cfg, epochs=ts.ae_epochs),
-                                          d_code=ts.d_code)))
+    _echo_json(_summary(training.train_as_product("ae", data, out, ts, cfg, fm_path)))
 
 
 @train.command("vm")
@@ -213,16 +206,15 @@ def train_ae(out, fm_path, **kw):
 def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, verifier, **kw):
     """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding; or the verifier (its
     epochs and patience: ``--verifier-epochs``, ``--verifier-patience``, the evaluated recipe)."""
-    from dataclasses import replace
-
     from solaris_jobs.learning import training
     if verifier and mode != "plain":
         raise click.UsageError("--verifier trains the plain VM; it takes no --mode")
     ts, cfg, data = _train_run(kw)
     if verifier:
-        cfg = replace(cfg, epochs=ts.verifier_epochs, patience=ts.verifier_patience)
+        _echo_json(_summary(training.train_as_product("verifier", data, out, ts, cfg)))
+        return
     _echo_json(_summary(training.train_vm(data, out, cfg, mode=mode, fm_path=fm_path, ae_path=ae_path,
-                                          coverage=coverage, kd_weight=kd_weight, recency=not verifier)))
+                                          coverage=coverage, kd_weight=kd_weight)))
 
 
 @main.command("demo")

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -54,12 +53,6 @@ def served_protocol(root: str, o: TrainSettings):
     return Protocol(t0, t1, end, end + every, valid_from, (t1 - (t1 - t0) / 10).floor("min"))
 
 
-def fm_args(o: TrainSettings) -> dict:
-    """The FM's ``FMConfig`` fields of the training settings ``o`` (widths and the recipe's dropout and trunk)."""
-    return {"d_model": o.d_model, "n_layers": o.layers, "d_interaction": o.d_interaction, "dropout": o.fm_dropout,
-            "target_user": o.fm_target_user}
-
-
 def train(kind: str, version_dir: str) -> dict:
     """Trains one model of the version (fm, ae, vm = the verifier, vm_transfer = the ranker's VM)."""
     from solaris_jobs.learning import training
@@ -79,14 +72,7 @@ def train(kind: str, version_dir: str) -> dict:
     delay = Settings.from_env(require=False).precompute.label_delay_minutes
     data = training.load_dataset(root, o.history_len, max_train_rows=o.max_train_rows, seed=o.seed,
                                  cuts=(P.fm_valid_from, P.t1), label_delay_minutes=delay)
-    if kind == "fm":
-        m = training.train_fm(data, d / "fm.pt", replace(cfg, lr=o.fm_lr, weight_decay=o.fm_weight_decay),
-                              **fm_args(o))
-    elif kind == "ae":
-        m = training.train_ae(data, d / "fm.pt", d / "ae.pt", replace(cfg, epochs=o.ae_epochs), d_code=o.d_code)
-    else:
-        m = training.train_verifier(data, d / "vm.pt", replace(cfg, epochs=o.verifier_epochs,
-                                                                 patience=o.verifier_patience))
+    m = training.train_as_product({"vm": "verifier"}.get(kind, kind), data, d / f"{kind}.pt", o, cfg, d / "fm.pt")
     return json.loads(json.dumps({k: v for k, v in m.items() if k != "history"}, default=str))
 
 

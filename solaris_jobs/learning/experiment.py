@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from models import load_checkpoint
+from solaris_jobs.core.settings import TrainSettings
 from solaris_jobs.data import movielens
 from solaris_jobs.learning import training
 
@@ -37,15 +38,18 @@ def run_movielens(workdir: Path, seeds: list[int], fm_epochs: int = 3, force: bo
     runs = []
     for seed in seeds:
         mdir = workdir / "models" / f"seed{seed}"
-        data = training.load_dataset(str(root), history_len=50, seed=seed)
-        cfg = training.TrainConfig(epochs=fm_epochs, seed=seed, patience=1)
-        vm_cfg = training.TrainConfig(epochs=8, seed=seed, patience=2)
-        fm = _cached(mdir / "fm.pt", force, lambda: training.train_fm(data, mdir / "fm.pt", cfg))
-        ae = _cached(mdir / "ae.pt", force, lambda: training.train_ae(data, mdir / "fm.pt", mdir / "ae.pt", cfg))
+        # The product's recipes (TrainSettings' defaults, the evaluated ones) for the FM, the autoencoder and the
+        # verifier; the rankers below with the batch size the evaluation trains them with.
+        ts = TrainSettings(epochs=fm_epochs, seed=seed)
+        data = training.load_dataset(str(root), history_len=ts.history_len, seed=seed)
+        vm_cfg = training.TrainConfig(epochs=8, seed=seed, patience=2, batch_size=ts.batch_size)
+        fm = _cached(mdir / "fm.pt", force, lambda: training.train_as_product("fm", data, mdir / "fm.pt", ts))
+        ae = _cached(mdir / "ae.pt", force, lambda: training.train_as_product("ae", data, mdir / "ae.pt", ts,
+                                                                            fm_path=mdir / "fm.pt"))
         # The ranker baseline takes the recency inputs, as KD and transfer do; the refresh's verifier (vm.pt, what
         # the demo's refresh loads from this folder) is the counters-only VM the select step scores with.
         vm = _cached(mdir / "vm_ranker.pt", force, lambda: training.train_vm(data, mdir / "vm_ranker.pt", vm_cfg))
-        _cached(mdir / "vm.pt", force, lambda: training.train_verifier(data, mdir / "vm.pt", vm_cfg))
+        _cached(mdir / "vm.pt", force, lambda: training.train_as_product("verifier", data, mdir / "vm.pt", ts))
         kd = _cached(mdir / "vm_kd.pt", force, lambda: training.train_vm(
             data, mdir / "vm_kd.pt", vm_cfg, mode="kd", fm_path=mdir / "fm.pt"))
         tr = _cached(mdir / "vm_transfer.pt", force, lambda: training.train_vm(

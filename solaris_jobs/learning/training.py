@@ -55,6 +55,32 @@ class TrainConfig:
                    max_train_rows=ts.max_train_rows, **more)
 
 
+def fm_model_args(ts: TrainSettings) -> dict:
+    """The FM's ``FMConfig`` fields of the training settings: its widths and the recipe's dropout and trunk."""
+    return {"d_model": ts.d_model, "n_layers": ts.layers, "d_interaction": ts.d_interaction, "dropout": ts.fm_dropout,
+            "target_user": ts.fm_target_user}
+
+
+def train_as_product(kind: str, data: "Dataset", out: str | Path, ts: TrainSettings, cfg: TrainConfig | None = None,
+                     fm_path: str | Path | None = None) -> dict:
+    """Trains ``kind`` (``fm``, ``ae`` or ``verifier``) with the product's recipe of the training settings ``ts``:
+    the evaluated one at the defaults (the FM's learning rate, weight decay, dropout and trunk; the autoencoder's
+    epochs; the verifier's epochs and patience). ``cfg``: the shared trainer settings (default
+    ``TrainConfig.of(ts)``); ``fm_path``: the FM the autoencoder codes (``ae`` only). The training DAG,
+    ``solaris train``, the MovieLens experiment and the scale benchmark all train through here."""
+    from dataclasses import replace
+    cfg = cfg or TrainConfig.of(ts)
+    if kind == "fm":
+        return train_fm(data, out, replace(cfg, lr=ts.fm_lr, weight_decay=ts.fm_weight_decay), **fm_model_args(ts))
+    if kind == "ae":
+        if fm_path is None:
+            raise ValueError("the autoencoder needs the FM it codes (fm_path)")
+        return train_ae(data, fm_path, out, replace(cfg, epochs=ts.ae_epochs), d_code=ts.d_code)
+    if kind == "verifier":
+        return train_verifier(data, out, replace(cfg, epochs=ts.verifier_epochs, patience=ts.verifier_patience))
+    raise ValueError(f"unknown model kind {kind!r}: fm, ae or verifier")
+
+
 @dataclass
 class Dataset:
     """An event log loaded for training: the history index, the three splits and the side tables."""
