@@ -6,7 +6,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-# PyTorch's build (requirements.txt pins torch==2.13.0, which both meet; README "Install"):
+# PyTorch's build (requirements.txt pins torch==2.13.0, which both meet; docs/install.md):
 #   TORCH=cpu   (default) 2.13.0+cpu, from PyTorch's CPU wheel index (TORCH_CPU_INDEX), or with no index added when
 #               pip's own configuration already offers that wheel (a find-links folder, as on the project's machines:
 #               checked with --no-index first, so an index this machine cannot reach is never asked)

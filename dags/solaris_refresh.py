@@ -9,8 +9,8 @@ resolved it from the store it found, then materialize all three into the online 
 
 Configured by the environment of the workers: one settings object, built by
 `solaris_jobs.core.settings.Settings.from_env()`
-when a task runs (`SOLARIS_DATA`, `SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`, ...; the README's
-table lists them all) and passed whole to the Spark steps, in-process or as `--settings` JSON through spark-submit.
+when a task runs (`SOLARIS_DATA`, `SOLARIS_OFFLINE`, `SOLARIS_MODELS`, `SOLARIS_PRECOMPUTE`, ...;
+docs/configuration.md lists them all) and passed whole to the Spark steps, in-process or as `--settings` JSON through spark-submit.
 DAG-level: `SOLARIS_REFRESH_CRON` (default `0 * * * *`), `SOLARIS_START_DATE`, `SOLARIS_END_DATE`, `SOLARIS_CATCHUP`,
 `SOLARIS_SPARK_CONN_ID` (Spark steps through `SparkSubmitOperator` instead of in-process),
 `SOLARIS_REDIS_CONN_ID` (the Redis online store from an Airflow connection instead of `SOLARIS_REDIS`),

@@ -1,7 +1,8 @@
 """The library's layers: a layer imports only the layers below it (every import, also those inside functions), none
 imports its entry points (DAGs, Spark scripts, the CLI), no import cycles (imports inside functions included: a
 cycle hidden in a function is still a cycle; only imports under ``if TYPE_CHECKING``, which never run, are left
-out), the serving hot path loads no torch, the CLI module runs, and the module paths the README names are real."""
+out), the serving hot path loads no torch, the CLI module runs, and the module
+paths, commands and flags README and docs name are real."""
 from __future__ import annotations
 
 import ast
@@ -203,11 +204,76 @@ def resolves(dotted: str) -> bool:
     return False
 
 
-def test_the_readmes_module_paths_are_real():
-    text = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_the_docs_module_paths_are_real():
+    text = "\n".join(p.read_text() for p in DOCS)
     named = set(re.findall(r"solaris_jobs(?:\.[A-Za-z_]\w*)+", text))
     for module, names in re.findall(r"from (solaris_jobs[\w.]*) import ([\w, ]+)", text):
         named |= {f"{module}.{n.strip()}" for n in names.split(",")}
     assert {"solaris_jobs.online.reader.FeatureReader", "solaris_jobs.online.store_config"} <= named
     assert [p for p in sorted(named) if not resolves(p)] == []
     assert not resolves("solaris_jobs.serving") and not resolves("solaris_jobs.online.reader.NoSuchName")
+
+
+def _code(text: str) -> list[str]:
+    """The code of a markdown text: fenced blocks (a line ending in a backslash joined to the next) and inline
+    spans."""
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.M | re.S)
+    rest = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.M | re.S)
+    lines = [ln for b in blocks for ln in re.sub(r"\\\n\s*", " ", b).splitlines()]
+    return lines + re.findall(r"`([^`\n]+)`", rest.replace("\n", " "))
+
+
+def solaris_commands(text: str) -> list[tuple[tuple[str, ...], list[str]]]:
+    """Every ``solaris ...`` command written in the code of ``text``: (its path, one per alternative of an
+    ``a|b`` word, and the ``--flags`` that follow it up to the next command or a ``#`` comment)."""
+    out = []
+    for code in _code(text):
+        code = code.split(" #")[0]
+        start = r"(?<![\w/.-])solaris"
+        for m in re.finditer(start + r"((?: [a-z][a-z-]*(?:\|[a-z][a-z-]*)*)+)(.*?)(?=" + start + " |$)", code):
+            words = m.group(1).split()
+            flags = re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2))
+            out.append((tuple(words), flags))
+    return out
+
+
+def test_every_solaris_command_and_flag_in_the_docs_exists():
+    """README and docs name only commands the CLI has, with only flags those commands take."""
+    import click
+
+    from solaris_jobs.flows.cli import main
+
+    def resolve(words):
+        """The commands (or groups) a written path names (an ``a|b`` word gives one per alternative), or None."""
+        found = [main]
+        for w in words:
+            if not isinstance(found[0], click.Group):
+                break                               # an argument of the command (a path, a value)
+            nxt = [g.commands.get(alt) for g in found for alt in w.split("|")]
+            if None in nxt:
+                return None
+            found = nxt
+        return found
+
+    def flags_of(cmd):
+        return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+
+    seen, bad = set(), []
+    for path in DOCS:
+        for words, flags in solaris_commands(path.read_text()):
+            cmds = resolve(words)
+            if cmds is None:
+                bad.append((path.name, "solaris " + " ".join(words)))
+                continue
+            seen |= {c.name for c in cmds}
+            bad += [(path.name, "solaris " + " ".join(words), f) for f in flags
+                    if any(f not in flags_of(c) for c in cmds)]
+    assert bad == []
+    assert {"demo", "evaluate", "materialize", "backfill", "status", "fm", "vm"} <= seen, seen
+    # The parser itself: a made-up command and a made-up flag are caught.
+    assert resolve(("evaluate-nothing",)) is None and resolve(("data", "nothing")) is None
+    (words, flags), = solaris_commands("run `solaris evaluate --out x --no-such-flag` now")
+    assert "--no-such-flag" in flags and "--no-such-flag" not in flags_of(resolve(words)[0])

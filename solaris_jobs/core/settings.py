@@ -7,7 +7,7 @@ One object travels whole: the Airflow tasks build it from the worker's environme
 ``SparkSubmitOperator`` passes it to ``spark_jobs/*.py`` as JSON (``--settings``), the CLI builds it from the
 environment, ``--settings`` and its flags, and a replay builds it in code. This module is the only one that
 names a run-time ``SOLARIS_*`` variable (the DAG files name their own scheduling settings: cron, dates, retries,
-the Spark connection, the FM queue and pool; ``DAG_ENV`` lists them for the README and the demo). It imports only
+the Spark connection, the FM queue and pool; ``DAG_ENV`` lists them for the docs and the demo). It imports only
 the standard library and pydantic, so that a DAG file or a ranker can import it cheaply.
 
 Validation: unknown keys, wrong types and out-of-range values are errors that name the setting (and the
@@ -598,11 +598,11 @@ def cache_dir(env=None) -> Path:
 
 # ------------------------------------------------------------------------------------------------ the DAGs'
 
-# Read by the DAG files themselves at parse time (scheduling and task placement); listed here for the README and
+# Read by the DAG files themselves at parse time (scheduling and task placement); listed here for the docs and
 # for the demo, which sets some of them (``dag_env``).
 SPARK_CONN_ENV = "SOLARIS_SPARK_CONN_ID"         # also read outside the DAGs: `solaris airflow` checks it
 REDIS_CONN_ENV = "SOLARIS_REDIS_CONN_ID"
-DAG_ENV = {          # their defaults are in the DAG files (and the README)
+DAG_ENV = {          # their defaults are in the DAG files (and docs/configuration.md)
     "SOLARIS_REFRESH_CRON": "refresh schedule",
     "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
     "SOLARIS_START_DATE": "first interval",

@@ -21,7 +21,7 @@ What it models (all parameters in :class:`SynthConfig`):
 * Users have side features ``segment`` (their favourite category, informative) and ``region`` (noise); items
   have ``category`` (informative).
 
-Why these defaults (fixed before any evaluation run; see README "Synthetic ad-like traffic"):
+Why these defaults (fixed before any evaluation run; see docs/data.md "Synthetic ad-like traffic"):
 
 * ``p_continue`` 0.8 with 3-minute gaps: about 76% of a user's consecutive requests come within 10 minutes, the
   share Meta's ERCache (arXiv 2410.06497) reports for consecutive user-model inferences in ads.

@@ -16,7 +16,7 @@ from solaris_jobs.online.reader import DEFAULT_TIERS, READER_BUDGET_MS, READER_C
 class EvalConfig:
     """Everything the evaluation's numbers depend on (written into report.json).
 
-    The headline settings (TTLs, cadence, budget, pool) are fixed here before any headline run; README and
+    The headline settings (TTLs, cadence, budget, pool) are fixed here before any headline run; docs/evaluation.md and
     BENCHMARKS say why each has its value.
     """
     dataset: str = "synth"

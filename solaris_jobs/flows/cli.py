@@ -41,7 +41,7 @@ class _Group(click.Group):
 def main(log_level: str) -> None:
     """SOLARIS: precompute foundation-model embeddings for a fast ranker, ahead of the requests.
 
-    Data sets are folders in the event-log contract (see README): events/date=.../hour=.../*.parquet,
+    Data sets are folders in the event-log contract (see docs/data.md): events/date=.../hour=.../*.parquet,
     users.parquet, items.parquet, rejects/, manifest.json.
     """
     _setup_logging(log_level)
@@ -58,7 +58,7 @@ def data() -> None:
               help="A GroupLens ml-100k folder (u.data, u.user, u.item) or a recbole wheel; default: the "
                    "recbole==1.2.1 wheel from PyPI, downloaded once into the cache.")
 @click.option("--cache", type=click.Path(file_okay=False), default=None,
-              help="Download cache (default: the environment's, see the README, or ~/.cache/solaris).")
+              help="Download cache (default: the environment's, see docs/configuration.md, or ~/.cache/solaris).")
 def data_movielens(out, source, cache) -> None:
     """MovieLens-100K as events (label = rating >= 4), users and items; bad rows set aside with a reason."""
     from solaris_jobs.data import movielens
