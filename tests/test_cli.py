@@ -90,3 +90,58 @@ def test_help_and_settings_come_from_the_settings(tmp_path, monkeypatch):
     res = CliRunner().invoke(main, ["train", "vm", "--data", str(tmp_path), "--out", str(tmp_path / "x.pt"),
                                     "--epochs", "0"])
     assert res.exit_code == 1 and "--epochs (epochs): Input should be greater than or equal to 1" in res.output
+
+
+def test_every_store_command_fails_in_one_line_on_a_hung_or_dead_store(tmp_path):
+    """A redis-server paused with SIGSTOP (it accepts connections and never answers), then a dead one: every
+    command that touches the online store exits non-zero with one line naming the store and what to check, no
+    traceback, after one wait of SOLARIS_STORE_TIMEOUT_SECONDS (1 s here; 10 s by default: BENCHMARKS.md); the
+    same command works once the store answers again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from models import VMConfig, VerticalModel, save_checkpoint
+    from tests.support import RedisServer, feast_yaml
+    repo, offline, data, models = (tmp_path / n for n in ("repo", "offline", "data", "models"))
+    for d in (repo, offline, data, models):
+        d.mkdir()
+    vm = tmp_path / "vm.pt"        # a VM that reads SOLARIS features (rank reads the store only for one)
+    save_checkpoint(VerticalModel(VMConfig(fm_dim=8)), vm, extra={"fm_version": "fm-a", "ae_version": "ae-b"})
+    t = ["--end", "2026-01-01T01:00Z"]
+    commands = [["materialize", "--offline", str(offline), "--start", "2026-01-01T00:00Z", *t],
+                ["status", "--offline", str(offline)],
+                ["misses", "drain", "--offline", str(offline)],
+                ["lease", "show", *t],
+                ["lease", "release", *t, "--owner", "run-1"],
+                ["backfill", "--start", "2026-01-01T00:00Z", *t, "--data", str(data), "--offline", str(offline),
+                 "--models", str(models)],
+                ["rank", "--vm", str(vm), "--data", str(data), "--user", "1", "--at", "2026-01-01T01:00Z",
+                 "--items", "1,2"]]
+    env = {**os.environ, "SOLARIS_FEATURE_REPO": str(repo), "SOLARIS_STORE_TIMEOUT_SECONDS": "1"}
+    env.pop("FEAST_FS_YAML_FILE_PATH", None)
+    exe = str(Path(sys.executable).parent / "solaris")
+
+    def run(args):
+        # The timeout only stops a hang from stalling the suite; the wait itself is the store timeout's.
+        return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=120)
+
+    def one_line_error(res, store: str, what: str) -> None:
+        assert res.returncode != 0, res.stdout
+        assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert res.stderr.startswith(f"Error: the online store redis://{store} {what}"), res.stderr
+        assert "SOLARIS_STORE_TIMEOUT_SECONDS" in res.stderr and str(repo) in res.stderr, res.stderr
+
+    with RedisServer(tmp_path / "redis") as server:
+        feast_yaml(repo / "feature_store.yaml", f"  type: redis\n  connection_string: {server.connection_string}")
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            for args in commands:
+                one_line_error(run(args), server.url, "did not answer within 1 s: TimeoutError")
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        res = run(["lease", "show", *t])
+        assert res.returncode == 0 and json.loads(res.stdout)["holder"] is None, res.stderr
+    one_line_error(run(["lease", "show", *t]), server.url, "could not be reached: ConnectionError")

@@ -215,6 +215,9 @@ class Settings:
         log_level: SOLARIS's log level in job processes (spark-submit drivers).
         lease_minutes: how long a run's lease of its interval lasts unless a step renews it
             (``solaris_jobs.online.lease``); as long as a DAG run may last (its 6 h ``dagrun_timeout``).
+        store_timeout_seconds: how long the refresh's and the operator commands' calls to a Redis online store
+            (connect, a reply, a write's reply) may wait before the command fails with a message naming the store
+            (the serving reader has its own ``budget_ms``).
     """
     data: str = Field("", description="Data root with the event log.")
     offline: str = Field("", description="Offline store root (outputs keyed by interval end; any URI the jobs "
@@ -232,6 +235,7 @@ class Settings:
     spark_log_level: str = "WARN"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     lease_minutes: float = Field(360.0, gt=0)
+    store_timeout_seconds: float = Field(10.0, gt=0, le=3600)
 
     @field_validator("log_level", "spark_log_level", mode="before")
     @classmethod
@@ -332,6 +336,7 @@ ENV = {  # variable -> Settings field
     "SOLARIS_SPARK_LOG_LEVEL": "spark_log_level",
     "SOLARIS_LOG_LEVEL": "log_level",
     "SOLARIS_LEASE_MINUTES": "lease_minutes",
+    "SOLARIS_STORE_TIMEOUT_SECONDS": "store_timeout_seconds",
 }
 _VAR = {name: var for var, name in ENV.items()}
 _ADAPTER = TypeAdapter(Settings)

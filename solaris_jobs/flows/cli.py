@@ -25,14 +25,33 @@ def _echo_json(obj) -> None:
 
 
 class _Group(click.Group):
-    """Turns input errors (bad data, bad arguments) into one clear line and exit code 1, not a traceback."""
+    """Turns input errors (bad data, bad arguments) and an online store that does not answer into one clear line
+    and exit code 1, not a traceback."""
 
     def invoke(self, ctx):
+        import redis
+
         from solaris_jobs.core.events import DataContractError
+        from solaris_jobs.online.store_config import StoreUnavailable, unavailable_message
         try:
             return super().invoke(ctx)
-        except (DataContractError, ValueError, FileNotFoundError) as e:
+        except (DataContractError, ValueError, FileNotFoundError, StoreUnavailable) as e:
             raise click.ClickException(str(e)) from e
+        except (redis.ConnectionError, redis.TimeoutError) as e:     # the store stopped answering part-way
+            raise click.ClickException(unavailable_message(None, e)) from e
+
+
+def _store(feature_repo=None, s=None):
+    """The online store (of ``s``'s repo and timeout, else ``feature_repo``'s and the environment's), checked to
+    answer: a hung or unreachable store fails here, in at most its timeout, with one line naming it."""
+    from solaris_jobs.online import store_config
+    if s is not None:
+        from solaris_jobs.flows.refresh_steps import store
+        cfg = store(s)
+    else:
+        cfg = store_config.load(feature_repo)
+    store_config.check(cfg)
+    return cfg
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -496,6 +515,7 @@ def materialize_cmd(offline, start, end, every, view_names, expire_from, always_
     s = _load_settings(offline=offline, expire_from=expire_from, feature_repo=feature_repo)
     if not s.offline:
         raise click.UsageError("give --offline (or set the environment's offline store)")
+    _store(s=s)
     names = view_names.split(",") if view_names else None
     out = o.run_intervals(start, end, every, lambda a, b: o.materialize_interval(s, a, b, views=names,
                                                                                  always_check=always_check),
@@ -520,7 +540,6 @@ def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_featu
     """Score one request with the VM and the tiered SOLARIS features; print the ranking, tiers and timings."""
     import numpy as np
 
-    from solaris_jobs.online import store_config
     from solaris_jobs.online.ranker import Counters, Ranker
     from solaris_jobs.online.reader import FeatureReader
     if items:
@@ -535,7 +554,9 @@ def rank(vm_path, root, user_id, items, candidates, at, budget_ms, top, no_featu
     _, meta = load_checkpoint(vm_path, kind="vm")
     reader = None
     if meta["config"].get("fm_dim") and not no_features:
-        reader = FeatureReader(store_config.load(feature_repo), vm_embedding_version(meta), meta["config"]["fm_dim"],
+        # The reader fails open (zeros, tier none) on a slow store, as serving must; a store that does not answer
+        # at all is an operator's problem to see: checked first.
+        reader = FeatureReader(_store(feature_repo), vm_embedding_version(meta), meta["config"]["fm_dim"],
                                budget_ms=budget_ms)
     ranker = Ranker(vm_path, reader, Counters(root, at))
     result = ranker.score(user_id, ids, at)
@@ -559,6 +580,7 @@ def backfill_cmd(start, end, every, force, **kw) -> None:
     materialized) are skipped; a failed one is rerun from the start on the next call."""
     from solaris_jobs.flows import refresh_steps as o
     s = _settings(kw)
+    _store(s=s)
     out = o.backfill(s, start, end, every, force=force, progress=sys.stderr.isatty())
     _echo_json([{k: v for k, v in r.items() if k != "steps"} | (
         {"report": r["steps"]["report"]} if "steps" in r else {}) for r in out])
@@ -584,6 +606,7 @@ def status_cmd(offline, last, metrics, scan_limit, as_json, now, feature_repo) -
     s = _load_settings(offline=offline or None, feature_repo=feature_repo or None)
     if not s.offline:
         raise click.UsageError(f"no offline store: pass --offline or set {env_var('offline')}")
+    _store(s=s)
     st = status(s, last=last, now=now, metrics=metrics, scan_limit=scan_limit)
     click.echo(json.dumps(st, indent=2, default=str) if as_json else format_status(st))
 
@@ -683,9 +706,8 @@ def misses() -> None:
 @_repo_option
 def misses_drain(offline, feature_repo) -> None:
     """Move the Redis miss stream into parquet under <offline>/misses/, where the next selection reads it."""
-    from solaris_jobs.online import store_config
     from solaris_jobs.online.misses import drain_misses
-    cfg = store_config.load(feature_repo)
+    cfg = _store(feature_repo)
     if cfg.kind != "redis":
         raise click.ClickException("the miss stream lives in Redis; with SQLite the serving client writes "
                                    "parquet under <offline>/misses/ directly (FeatureReader(misses_dir=...))")
@@ -703,9 +725,8 @@ def lease() -> None:
 def lease_show(end, feature_repo) -> None:
     """Who holds the interval's lease (null: nobody)."""
     from solaris_jobs.online import lease as ls
-    from solaris_jobs.online import store_config
     _echo_json({"interval_end": _utc_arg(end, "--end").isoformat(),
-                "holder": ls.holder(store_config.load(feature_repo), _utc_arg(end, "--end"))})
+                "holder": ls.holder(_store(feature_repo), _utc_arg(end, "--end"))})
 
 
 @lease.command("release")
@@ -716,8 +737,7 @@ def lease_release(end, owner, feature_repo) -> None:
     """Free an interval that a failed run still holds, so that another run may refresh it now (a lease nobody
     renews expires by itself after the lease_minutes setting)."""
     from solaris_jobs.online import lease as ls
-    from solaris_jobs.online import store_config
-    cfg, t = store_config.load(feature_repo), _utc_arg(end, "--end")
+    cfg, t = _store(feature_repo), _utc_arg(end, "--end")
     if not ls.release(cfg, t, owner):
         raise click.ClickException(f"run {owner!r} holds no lease of the interval ending {t.isoformat()} "
                                    f"(holder: {ls.holder(cfg, t)!r})")

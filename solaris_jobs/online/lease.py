@@ -64,7 +64,7 @@ def acquire(cfg: StoreConfig, end, owner: str, ttl_s: float) -> dict:
         raise ValueError("a lease needs an owner (a run id)")
     ms = max(1, int(ttl_s * 1000))
     if cfg.kind == "redis":
-        client = redis_client(cfg, timeout_s=10)
+        client = redis_client(cfg)
         try:
             ok, holder, left_ms = client.eval(_ACQUIRE, 1, _key(cfg, end), owner, ms)
         finally:
@@ -85,7 +85,7 @@ def acquire(cfg: StoreConfig, end, owner: str, ttl_s: float) -> dict:
 def release(cfg: StoreConfig, end, owner: str) -> bool:
     """Drops ``owner``'s lease of the interval (False: it held none, e.g. it had expired and another took it)."""
     if cfg.kind == "redis":
-        client = redis_client(cfg, timeout_s=10)
+        client = redis_client(cfg)
         try:
             return bool(client.eval(_RELEASE, 1, _key(cfg, end), owner))
         finally:
@@ -98,7 +98,7 @@ def release(cfg: StoreConfig, end, owner: str) -> bool:
 def holder(cfg: StoreConfig, end) -> str | None:
     """Who holds the interval's unexpired lease, if anyone."""
     if cfg.kind == "redis":
-        client = redis_client(cfg, timeout_s=10)
+        client = redis_client(cfg)
         try:
             v = client.get(_key(cfg, end))
         finally:

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.events import to_utc as _utc
 from solaris_jobs.online import feast_format as ff
-from solaris_jobs.online.store_config import StoreConfig, redis_client
+from solaris_jobs.online.store_config import StoreConfig, StoreUnavailable, redis_client
 from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, View, views
 from solaris_jobs.online.writer import MARKER, MARKER_TABLE, Encoded, OnlineWriter, RowGroup, open_writer
 
@@ -113,7 +113,7 @@ def _constant_version(enc: Encoded, view: View, idx: np.ndarray, version: str) -
     return part
 
 
-class MaterializeError(RuntimeError):
+class MaterializeError(StoreUnavailable):
     """The online store failed part-way through an interval (dropped, killed, hung past the timeout, refused a
     write): the interval is not recorded as materialized, and a rerun writes it whole."""
 
@@ -142,7 +142,7 @@ class _Interval:
 
 def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_from: str = "event",
                 now=None, batch_rows: int = 50_000, env=None, always_check: bool = False, start=None,
-                timeout_s: float = 60.0) -> dict:
+                timeout_s: float | None = None) -> dict:
     """Writes the interval ending at ``end`` into the online store.
 
     Args:
@@ -152,7 +152,8 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
         now: the clock for ``expire_from`` (default: the wall clock).
         always_check: compare every key's stored event time even when no later interval was materialized
             (when something else also writes these views).
-        timeout_s: how long one Redis reply may take before the write is given up.
+        timeout_s: how long one Redis reply may take before the write is given up (None: the store's
+            ``timeout_s``, the ``store_timeout_seconds`` setting).
 
     Returns:
         Stats per view: rows read, written, skipped (a newer row is stored), expired, rejected by reason, seconds.
@@ -248,7 +249,7 @@ def _store_errors() -> tuple:
 def materialized_intervals(cfg: StoreConfig) -> dict[pd.Timestamp, dict]:
     """Intervals recorded as completely materialized in the store, with their stats."""
     if cfg.kind == "redis":
-        client = redis_client(cfg, timeout_s=10)
+        client = redis_client(cfg)
         try:
             raw = client.hgetall(MARKER.format(project=cfg.project))
         finally:

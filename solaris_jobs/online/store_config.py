@@ -30,6 +30,8 @@ class StoreConfig:
     nodes: tuple[tuple[str, int], ...] = ()
     # password, ssl, db, ... (redis-py keyword arguments); kept out of repr so that a logged config shows no secret
     redis_params: dict = field(default_factory=dict, repr=False)
+    # How long a call to Redis may wait (connect, a reply) before it fails: Settings.store_timeout_seconds.
+    timeout_s: float = 10.0
 
     def describe(self) -> str:
         if self.kind == "sqlite":
@@ -99,8 +101,51 @@ def use_airflow_connection(conn_id: str | None) -> bool:
     return True
 
 
-def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None) -> StoreConfig:
+class StoreUnavailable(RuntimeError):
+    """The online store did not answer (hung, down, unreachable): the message names it and what to check."""
+
+
+def check(cfg: StoreConfig) -> None:
+    """Fails fast when a Redis online store does not answer a PING within ``cfg.timeout_s`` (every node of a
+    cluster's startup list): what an operator command runs before it touches the store, so that a hung or
+    unreachable store gives one line instead of a traceback after minutes. SQLite: nothing to check.
+
+    Raises:
+        StoreUnavailable: the store, the failure, and what to check.
+    """
+    if cfg.kind != "redis":
+        return
+    import redis
+    for host, port in cfg.nodes:
+        node = StoreConfig("redis", cfg.project, cfg.repo, cfg.yaml_path, nodes=((host, port),),
+                           redis_params=cfg.redis_params, timeout_s=cfg.timeout_s)
+        client = redis_client(node)
+        try:
+            client.ping()
+        except redis.RedisError as e:
+            raise StoreUnavailable(unavailable_message(cfg, e, f"{host}:{port}")) from e
+        finally:
+            client.close()
+
+
+def unavailable_message(cfg: StoreConfig | None, e: BaseException, node: str | None = None) -> str:
+    """One line: which store failed how, and what to check."""
+    what = "did not answer" if "imeout" in type(e).__name__ or "imeout" in str(e) else "could not be reached"
+    store = f"the online store {cfg.describe()}" if cfg is not None else "the online store"
+    named = f" (named by {cfg.yaml_path})" if cfg is not None else ""
+    waited = f" within {cfg.timeout_s:g} s" if cfg is not None and what == "did not answer" else ""
+    return (f"{store}{f' node {node}' if node and len(cfg.nodes) > 1 else ''} {what}{waited}: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. Check that Redis is running, not paused, and reachable from this host"
+            f"{named}; {settings.env_var('store_timeout_seconds')} sets how long a call may wait")
+
+
+def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None,
+         timeout_s: float | None = None) -> StoreConfig:
+    """The online store the Feast repo's yaml names; ``timeout_s``: how long a call to Redis may wait (None: the
+    environment's ``store_timeout_seconds`` setting, 10 s by default)."""
     import yaml
+    if timeout_s is None:
+        timeout_s = settings.Settings.from_env(require=False).store_timeout_seconds
     repo = settings.feature_repo(repo)
     if yaml_path is None:
         yaml_path = os.environ.get("FEAST_FS_YAML_FILE_PATH") or repo / "feature_store.yaml"
@@ -123,7 +168,8 @@ def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | N
     kind = online.get("type", "sqlite")
     if kind == "sqlite":
         p = Path(online.get("path", "data/online.db"))
-        return StoreConfig("sqlite", project, repo, yaml_path, sqlite_path=p if p.is_absolute() else repo / p)
+        return StoreConfig("sqlite", project, repo, yaml_path, sqlite_path=p if p.is_absolute() else repo / p,
+                           timeout_s=timeout_s)
     if kind == "redis":
         rtype = online.get("redis_type", "redis")
         if rtype not in ("redis", "redis_cluster"):
@@ -133,13 +179,15 @@ def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | N
             raise ValueError(f"{yaml_path}: connection_string {cs!r} has an unset environment variable")
         nodes, params = parse_connection_string(cs)
         return StoreConfig("redis", project, repo, yaml_path, redis_type=rtype, nodes=tuple(nodes),
-                           redis_params=params)
+                           redis_params=params, timeout_s=timeout_s)
     raise ValueError(f"{yaml_path}: online store type {kind!r} is not supported (sqlite or redis)")
 
 
 def redis_client(cfg: StoreConfig, timeout_s: float | None = None, **overrides):
-    """A redis-py client for the configured Redis (standalone or cluster)."""
+    """A redis-py client for the configured Redis (standalone or cluster); ``timeout_s``: how long a call may wait
+    (None: the store's ``timeout_s``)."""
     import redis
+    timeout_s = cfg.timeout_s if timeout_s is None else timeout_s
     params = {k: v for k, v in cfg.redis_params.items() if k not in ("skip_full_coverage_check",)}
     params.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **overrides)
     if "retry" not in overrides:

@@ -180,18 +180,21 @@ class OnlineWriter(ABC):
         self.close()
 
 
-def open_writer(cfg: StoreConfig, timeout_s: float = 60.0) -> OnlineWriter:
+def open_writer(cfg: StoreConfig, timeout_s: float | None = None) -> OnlineWriter:
     """The writer of the configured store: Redis, Redis Cluster or SQLite.
 
     Args:
-        timeout_s: how long one Redis reply may take before the write is given up.
+        timeout_s: how long one Redis reply may take before the write is given up (None: the store's
+            ``timeout_s``, the ``store_timeout_seconds`` setting).
 
     Raises:
         redis.RedisError: Redis could not be reached.
     """
     if cfg.kind != "redis":
         return SqliteWriter(cfg.sqlite_path, cfg.project)
-    client = redis_client(cfg, timeout_s=timeout_s)
+    if timeout_s is not None:
+        cfg = dataclasses.replace(cfg, timeout_s=timeout_s)
+    client = redis_client(cfg)
     try:
         if cfg.redis_type == "redis_cluster":
             return ClusterWriter(client, cfg)
@@ -380,8 +383,7 @@ class ClusterWriter(_RedisStore):
             node = slots[slot][0]
             if node.name not in self.writers:
                 host, port = node.name.rsplit(":", 1)
-                sub = redis_client(dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),)),
-                                   timeout_s=60)
+                sub = redis_client(dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),)))
                 self.writers[node.name] = RedisWriter(sub)
                 names.append(node.name)
             self.node_of_slot[slot] = names.index(node.name)
