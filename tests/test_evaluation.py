@@ -663,3 +663,39 @@ def test_the_across_seed_interval_resamples_seeds_and_users_on_a_hand_made_case(
     per = check_targets(summaries)
     assert all(p["valued_tiers_cover_at_least_85pct"] for p in per["per_seed"])
     assert per["across_seeds"]["valued_coverage"]["met"] is True
+
+
+def test_a_plot_with_nothing_to_draw_says_why_inside_it_and_warns_nothing(tmp_path, monkeypatch):
+    """The quick evaluation's TR plot when no TR is quoted (the demo showed an empty frame under three matplotlib
+    warnings): the reason is written across the figure, and no warning is raised; with a TR, points and no note."""
+    import warnings
+
+    import matplotlib
+    import matplotlib.figure
+    matplotlib.use("Agg")
+    from solaris_jobs.evaluation import report as rp
+    texts = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def spy(fig, path, *a, **k):          # what each saved figure says in its axes
+        texts[Path(path).name] = [t.get_text() for ax in fig.axes for t in ax.texts]
+        return save(fig, path, *a, **k)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+
+    def seed(s, tr, gap_ci):
+        v = {"tr": tr, "tr_ci": [tr - 0.1, tr + 0.1]} if tr is not None else {"tr": None, "tr_ci": None}
+        return {"seed": s, "headline": {"test": {"gap": {"value": sum(gap_ci) / 2, "ci": gap_ci},
+                                                 "variants": {"solaris": v, "kd": v}}}}
+    flat = {"per_seed": [seed(0, None, [-0.0005, 0.0031])]}
+    points = [{"solaris": {"tr": None, "tr_ci": None}, "coverage": {"any_tier": 0.9, "shares": {"pair": 0.5}},
+               "budget_per_row": 0.5}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rp._plot_tr_per_variant({"per_seed": [seed(0, 0.4, [0.001, 0.003])]}, tmp_path)
+        assert texts.pop("tr_per_variant.png") == []            # points drawn, nothing to explain
+        rp._plot_tr_per_variant(flat, tmp_path)
+        rp._plot_tr_vs_coverage(points, tmp_path)
+    note, = texts["tr_per_variant.png"]
+    assert note.startswith("Nothing to draw:") and "seed 0: the FM's gain over the VM, 0.0013 [-0.0005, 0.0031], " \
+        "is not above 0" in note.replace("\n", " ")
+    assert "no TR is quoted at any budget" in texts["tr_vs_coverage.png"][0].replace("\n", " ")

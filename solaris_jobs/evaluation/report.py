@@ -110,8 +110,10 @@ def _plot_tr_vs_coverage(pts: list[dict], out: Path) -> str:
         ax.plot(xp, ys, "x:", label="(same points vs pair coverage)")
         for p, x, y in zip([p for p, o in zip(pts, ok) if o], xs, ys):
             ax.annotate(f"{p['budget_per_row']:g}/row", (x, y), fontsize=7)
+    empty = None if any(ok) else ("no TR is quoted at any budget of the curve: the FM's gain over the VM is not "
+                                  "above 0 at the 95% lower bound there")
     return _finish(fig, ax, out / "tr_vs_coverage.png", "Transfer ratio vs coverage (budget curve)",
-                   "coverage of test rows", "TR (BCE)")
+                   "coverage of test rows", "TR (BCE)", empty=empty)
 
 
 def _plot_coverage_vs_cadence(curves: dict | None, out: Path) -> str | None:
@@ -140,9 +142,11 @@ def _plot_tr_per_variant(report: dict, out: Path) -> str:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 3.6))
     names = [v for v in ORDER if v not in ("vm", "fm", "base_rate")]
+    drawn = False
     for j, r in enumerate(report["per_seed"]):
         vs = r["headline"]["test"]["variants"]
         ys = [vs[n]["tr"] if vs.get(n) else None for n in names]
+        drawn = drawn or any(y is not None for y in ys)
         x = np.arange(len(names)) + (j - (len(report["per_seed"]) - 1) / 2) * 0.18
         for xi, n, y in zip(x, names, ys):
             if y is None:
@@ -153,15 +157,38 @@ def _plot_tr_per_variant(report: dict, out: Path) -> str:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(np.arange(len(names)), [SHORT[n] for n in names], rotation=25, ha="right", fontsize=7)
     return _finish(fig, ax, out / "tr_per_variant.png", "Transfer ratio per variant (test)", None,
-                   "TR (BCE), 95% interval", fontsize=7)
+                   "TR (BCE), 95% interval", empty=None if drawn else _no_tr_why(report), fontsize=7)
 
 
-def _finish(fig, ax, path: Path, title: str, xlabel: str | None, ylabel: str, **legend) -> str:
-    """Labels, legend and title of a one-axes plot, then saved (its file name)."""
+def _no_tr_why(report: dict) -> str:
+    """Why no seed quotes a TR: per seed, the FM's gain over the VM (and the VM's over the base rate) that failed."""
+    why = []
+    for r in report["per_seed"]:
+        te = r["headline"]["test"]
+        gap, floor = te.get("gap"), te.get("baseline_beats_floor")
+        if gap is None:
+            why.append(f"seed {r['seed']}: no test rows")
+        elif gap["ci"][0] <= 0:
+            why.append(f"seed {r['seed']}: the FM's gain over the VM, {gap['value']:.4f} "
+                       f"[{gap['ci'][0]:.4f}, {gap['ci'][1]:.4f}], is not above 0 at the 95% lower bound")
+        elif floor is not None and not floor["met"]:
+            why.append(f"seed {r['seed']}: the VM does not beat the base rate at the 95% lower bound")
+    return "no TR is quoted: " + ("; ".join(why) if why else "no variant has one")
+
+
+def _finish(fig, ax, path: Path, title: str, xlabel: str | None, ylabel: str, empty: str | None = None,
+            **legend) -> str:
+    """Labels, legend and title of a one-axes plot, then saved (its file name). ``empty``: why the plot has nothing
+    to draw, written across it (a blank frame says nothing)."""
     if xlabel:
         ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(**{"fontsize": 8, **legend})
+    if empty:
+        import textwrap
+        ax.text(0.5, 0.5, "Nothing to draw:\n" + textwrap.fill(empty, 70), transform=ax.transAxes, ha="center",
+                va="center", fontsize=8, color="0.3")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**{"fontsize": 8, **legend})
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
