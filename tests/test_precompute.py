@@ -151,11 +151,11 @@ def test_selection_exclusion_and_misses_hand_checked(spark):
 def test_bad_event_rows_are_set_aside_with_a_reason(spark):
     t = dt.datetime(2026, 1, 1)
     df = spark.createDataFrame(pd.DataFrame({
-        "user_id": [1, None, 3, 4, -5], "item_id": [1, 2, None, 4, 5],
-        "event_timestamp": [t, t, t, t, t], "label": [1, 0, 1, 7, None]}),
+        "user_id": [1, None, 3, 4, -5, 6], "item_id": [1, 2, None, 4, 5, 6],
+        "event_timestamp": [t, t, t, t, t, t], "label": [1, 0, 1, 7, None, None]}),
         "user_id long, item_id long, event_timestamp timestamp, label int")
     good, bad = windows.split_bad_events(df)
-    assert good.toPandas()["user_id"].tolist() == [1]
+    assert good.toPandas()["user_id"].tolist() == [1, 6]          # an unknown (null) label is allowed
     reasons = dict(bad.toPandas()[["user_id", "reason"]].fillna(0).astype({"user_id": int}).to_numpy().tolist())
     assert reasons == {0: "user_id is null or <= 0", 3: "item_id is null or <= 0",
                        4: "label is not 0, 1 or null", -5: "user_id is null or <= 0"}

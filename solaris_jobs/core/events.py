@@ -257,7 +257,9 @@ def bad_event_rows(table: pa.Table, now=None) -> tuple[np.ndarray, dict[str, int
     def nonpositive(col):
         return pc.fill_null(pc.less_equal(table[col], 0), True)
     masks = [nonpositive("user_id"), nonpositive("item_id"), pc.is_null(table["event_timestamp"]),
-             pc.fill_null(pc.invert(pc.is_in(table["label"], pa.array([0, 1], pa.int8()))), False)]
+             # A null label is an unknown one, allowed (is_in alone would call it bad: a null is in no value set).
+             pc.fill_null(pc.and_(pc.is_valid(table["label"]),
+                                  pc.invert(pc.is_in(table["label"], pa.array([0, 1], pa.int8())))), False)]
     reasons = list(BAD_EVENT_REASONS)
     if now is not None:
         late = pa.scalar((to_utc(now) + pd.Timedelta(days=1)).to_pydatetime(), table.schema.field(

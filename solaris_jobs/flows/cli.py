@@ -108,6 +108,22 @@ def data_synth(out, users, items, days, seed, start, chunk_users, session_rate, 
     _echo_json(synth.generate(cfg, out, progress=sys.stderr.isatty()))
 
 
+@data.command("profile")
+@click.argument("root", type=click.Path(exists=True, file_okay=False))
+@click.option("--cadence", default="1h", help="Refresh cadence the pair-coverage ceiling assumes.")
+@click.option("--ttl", default="24h", help="How long a refresh's pair embeddings are served.")
+@click.option("--window", default="24h", help="The pool's window: a refresh embeds the pairs ranked this long "
+                                             "before it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def data_profile(root, cadence, ttl, window, as_json) -> None:
+    """What an event log offers SOLARIS, before an hours-long evaluation: the pair-coverage ceiling at a cadence
+    and TTL and the FM budget it takes, pair recurrence, gaps between a user's requests, next-day return, labels,
+    and a verdict in plain words."""
+    from solaris_jobs.data.profile import format_profile, profile
+    p = profile(root, cadence, ttl, window)
+    click.echo(json.dumps(p, indent=2) if as_json else format_profile(p))
+
+
 @data.command("candidates")
 @click.option("--data", "root", required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--at", "cutoff", required=True, help="Request time T (UTC); only the log before T is used.")

@@ -1,0 +1,73 @@
+"""`solaris data profile`: what a log offers SOLARIS, computed on a hand-made log whose every figure is worked out
+by hand below."""
+import json
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from solaris_jobs.core import events as ev
+from solaris_jobs.data import profile as pr
+from solaris_jobs.flows.cli import main
+
+T = pd.Timestamp("2026-01-01T00:00:00Z")
+
+
+def _log(root, rows) -> None:
+    df = pd.DataFrame(rows, columns=["user_id", "item_id", "minutes", "label", "request_id"])
+    df["event_timestamp"] = T + pd.to_timedelta(df.pop("minutes"), unit="min")
+    df["label"] = df["label"].astype("Int8")
+    ev.write_events(df, root)
+
+
+def test_the_profile_of_a_hand_made_log(tmp_path):
+    # Refreshes every hour from 00:00; a refresh at R embeds the pairs ranked in [R - 2 h, R) and serves them
+    # for 2 h (age < 2 h). Rows counted: from 02:00 (the window after the first refresh slot).
+    _log(tmp_path, [
+        (1, 10, 5, 1, 1), (1, 11, 5, 0, 1),     # 00:05, request 1
+        (1, 10, 90, 0, 2),                      # 01:30: not counted (before 02:00)
+        (1, 10, 190, 1, 3),                     # 03:10: shown 01:30, embedded at 02:00 and 03:00: covered
+        (1, 11, 190, 0, 3),                     # 03:10: shown 00:05, embedded at 01:00, 02:00 (fresh to 04:00)
+        (2, 20, 330, None, 4),                  # 05:30: never shown before: not covered
+        (2, 20, 345, 0, 5),                     # 05:45: shown at 05:30, after the 05:00 refresh: not covered
+        (2, 20, 370, 0, 6),                     # 06:10: shown 05:45, embedded at 06:00: covered
+        (1, 11, 510, 0, 7),                     # 08:30: shown 03:10, embedded at 04:00, 05:00, stale from 07:00
+        (0, 11, 515, 0, 8),                     # user 0 breaks the contract: set aside
+    ])
+    res = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--ttl", "2h", "--window", "2h", "--json"])
+    assert res.exit_code == 0, res.output
+    p = json.loads(res.output)
+    assert (p["events"], p["users"], p["items"]) == (10, 2, 3)
+    assert list(p["set_aside"].values()) == [1]
+    # 3 covered of the 6 rows from 02:00 on.
+    assert p["pair_ceiling"]["rows_counted"] == 6 and p["pair_ceiling"]["ceiling"] == pytest.approx(0.5)
+    # Pairs in the window of refreshes 03:00, 05:00, 06:00, 08:00 (the intervals with rows from 02:00): 1, 2, 1, 1,
+    # for 2 + 2 + 1 + 1 rows logged in their intervals.
+    assert p["pair_ceiling"]["refreshes"] == 4 and p["pair_ceiling"]["pairs_per_row"] == pytest.approx(5 / 6)
+    # Rows whose pair came in an earlier request within 24 h: 01:30, both 03:10, 05:45, 06:10, 08:30.
+    assert p["pair_recurrence_24h"] == pytest.approx(6 / 9)
+    # Gaps between a user's requests: user 1 85, 100, 320 min; user 2 15, 25 min.
+    g = p["request_gaps"]
+    assert (g["requests"], g["gaps"], g["median_minutes"], g["within_10min"], g["within_1h"]) == (7, 5, 85, 0, 0.4)
+    assert p["next_day_return"] is None                         # one day: no next day to return on
+    assert p["labelled_share"] == pytest.approx(8 / 9) and p["positive_rate"] == pytest.approx(2 / 8)
+    assert p["verdict"][0].startswith("pairs recur: up to 50% of rows")
+    assert any("0.83 FM inferences per served row" in v for v in p["verdict"])
+    assert any("a small log (10 events)" in v for v in p["verdict"])
+    text = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--ttl", "2h", "--window", "2h"]).output
+    assert "pair-coverage ceiling (cadence 1h, TTL 2h, pool window 2h): 50.0% of 6 rows" in text
+
+
+def test_a_log_whose_pairs_never_recur_says_so_and_bad_settings_are_named(tmp_path):
+    # MovieLens-like: every (user, item) once, over three days; users back on the next day half the time.
+    _log(tmp_path, [(u, 1000 * u + 10 * d + k, 60 * 24 * d + 7 * k, 1, None) for u in (1, 2) for d in range(3) for k in range(5)
+                    if not (u == 2 and d == 1)])
+    p = pr.profile(tmp_path)
+    assert p["pair_ceiling"]["ceiling"] == 0.0 and p["pair_recurrence_24h"] == 0.0
+    assert p["verdict"][0].startswith("pairs rarely recur: at most 0% of rows")
+    # Day 0: users 1 and 2, of whom 1 is back on day 1; day 1: user 1, back on day 2.
+    assert p["next_day_return"] == pytest.approx(2 / 3)
+    res = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--cadence", "2h", "--ttl", "1h"])
+    assert res.exit_code == 1 and "--ttl (1h) and --window (24h) must be at least the cadence (2h)" in res.output
+    res = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--cadence", "often"])
+    assert res.exit_code == 1 and "--cadence: not a duration: 'often'" in res.output
