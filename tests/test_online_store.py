@@ -477,12 +477,58 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.stack(s.embedding))
         user = int(pairs.user_id.value_counts().index[0])
         mine = pairs[pairs.user_id == user]
-        reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
-        f = reader.read(user, np.concatenate([mine.item_id.to_numpy(), [10**6]]), ML_END + HOUR)
+        reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None,
+                               cooldown_s=0)
+        items = np.concatenate([mine.item_id.to_numpy(), [10**6]])
+        f = reader.read(user, items, ML_END + HOUR)
         assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"]
         np.testing.assert_array_equal(f.embeddings[:-1], np.stack(mine.embedding))
         assert f.counts.tolist() == [1] * len(mine) + [off["user_aggregates"].set_index("user_id").loc[user].n_pairs]
+        # The reader's keys went to every primary (one buffer each), and it finds them where the slots say.
+        from redis.crc import key_slot
+        keys = ff.entity_keys({"user_id": np.full(len(items), user, np.int64), "item_id": items}, b"solaris")
+        admin = [redis.Redis(port=n.port) for n in cluster.nodes]
+        owner = {int(s): j for j, a in enumerate(admin) for s in {key_slot(k.tobytes()) for k in keys}
+                 if a.execute_command("CLUSTER", "COUNTKEYSINSLOT", int(s))}
+        assert len(set(owner.values())) == 3
+        # Resharding after the reader mapped the cluster: one slot of the user's pairs migrates (keys and all) to
+        # another primary. The stale map sends its HMGET to the old primary, which answers MOVED: that read fails
+        # open (tier none, counted); the next maps the slots again and reads the key where it now lives.
+        slot = key_slot(keys[0].tobytes())
+        src, ids = owner[slot], [a.execute_command("CLUSTER", "MYID").decode() for a in admin]
+        dst = (src + 1) % 3
+        admin[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+        admin[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+        moving = admin[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        admin[src].execute_command("MIGRATE", "127.0.0.1", cluster.nodes[dst].port, "", 0, 5000, "KEYS", *moving)
+        for a in admin:
+            a.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        moved = reader.read(user, items, ML_END + HOUR)
+        assert moved.failed_open and set(moved.tier_names()) == {"none"}
+        again = reader.read(user, items, ML_END + HOUR)
+        assert not again.failed_open and again.tier_names() == f.tier_names()
+        np.testing.assert_array_equal(again.embeddings, f.embeddings)
+        assert reader.metrics.snapshot()["fail_open"] == 1
         reader.close()
+        for a in admin:
+            a.close()
+
+
+def test_cluster_key_slots_in_bulk_equal_redis_pys():
+    """``resp.key_slots`` (CRC16 by XOR of per-byte tables, for fixed-width keys) against redis-py's ``key_slot``,
+    on Feast's entity keys and on random keys, hash tags (``{...}``) included."""
+    from redis.crc import key_slot
+
+    from solaris_jobs.online.resp import key_slots
+    rng = np.random.default_rng(0)
+    feast_keys = ff.entity_keys({"user_id": rng.integers(1, 2**40, 3000), "item_id": rng.integers(1, 2**40, 3000)},
+                                b"solaris")
+    raw = rng.integers(0, 256, (3000, 24), dtype=np.uint8)
+    raw[:300, 3], raw[:300, 9] = ord("{"), ord("}")            # a hash tag: the slot of bytes 4..8 only
+    raw[300:400, 5] = ord("{")                                 # a brace without its pair: the whole key
+    for keys in (feast_keys, np.frombuffer(raw.tobytes(), "V24")):
+        assert key_slots(keys).tolist() == [key_slot(k.tobytes()) for k in keys]
+    assert key_slots(feast_keys[:0]).tolist() == []
 
 
 def test_a_redis_error_in_the_last_reply_is_raised_at_once(redis_server):

@@ -37,8 +37,8 @@ import pandas as pd
 from solaris_jobs.core.contract import TIERS
 from solaris_jobs.online import feast_format as ff
 from solaris_jobs.online.misses import MissQueue, ParquetSink, RedisStreamSink
-from solaris_jobs.online.resp import RawConnection, bulk, bulk_records, open_raw
-from solaris_jobs.online.store_config import StoreConfig, redis_client
+from solaris_jobs.online.resp import RawConnection, bulk, bulk_records, key_slots, open_raw
+from solaris_jobs.online.store_config import StoreConfig, cluster_primaries, redis_client
 from solaris_jobs.online.views import EMBEDDING, MODEL_VERSION, views
 
 logger = logging.getLogger(__name__)
@@ -233,30 +233,64 @@ class FeatureReader:
             at += n
         return users, pairs
 
-    def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
-        """Redis Cluster: the keys live on several nodes; redis-py's cluster pipeline, one round trip per node."""
+    def _cluster(self) -> tuple[list, np.ndarray]:
+        """This thread's raw connections to every primary of the cluster, each with its reply parser, and the slot
+        -> primary map as the cluster said when they were opened. A slot that moved since answers MOVED: the read
+        fails open and drops them, and the next read maps the slots again."""
         own = self._own
-        if own.client is None:
+        if own.nodes is None:
+            import hiredis
             own.client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
-        pipe = own.client.pipeline(transaction=False)
-        pipe.hmget(ukey, self._user_fields)
-        for k in pkeys:
-            pipe.hmget(k.tobytes(), self._pair_fields)
-        return pipe.execute()
+            subs, own.node_of_slot = cluster_primaries(own.client, self.cfg, timeout_s=self.budget_ms / 1000.0)
+            own.nodes = [(open_raw(c), hiredis.Reader(), c) for c in subs]
+        return own.nodes, own.node_of_slot
 
-    def _read_single(self, ukey: bytes, pkeys: np.ndarray) -> list:
-        sock = self._redis().sock
-        # One buffer: HMGET of the user's hash (the user views served), then one HMGET per pair (fixed-width records).
-        head = (b"*%d\r\n" % (2 + len(self._user_fields)) + bulk(b"HMGET") + bulk(ukey)
-                + b"".join(map(bulk, self._user_fields)))
+    def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
+        """Redis Cluster: each primary gets one buffer of the HMGETs of its keys (the user's hash on its own
+        primary), all sent before any reply is read: one round trip per primary, in parallel, as on one node."""
+        from redis.crc import key_slot
+        nodes, of_slot = self._cluster()
+        u_node, p_node = int(of_slot[key_slot(ukey)]), of_slot[key_slots(pkeys)]
+        sent = []
+        for j, (raw, _, _) in enumerate(nodes):
+            idx = np.flatnonzero(p_node == j)
+            if len(idx) or u_node == j:
+                raw.sock.sendall(self._hmgets(ukey if u_node == j else None, pkeys[idx]))
+                sent.append((j, idx))
+        out = [None] * (1 + len(pkeys))
+        for j, idx in sent:
+            raw, reader, _ = nodes[j]
+            got = self._replies(raw.sock, reader, len(idx) + (u_node == j))
+            if u_node == j:
+                out[0], got = got[0], got[1:]
+            for k, r in zip(idx.tolist(), got):
+                out[1 + k] = r
+        return out
+
+    def _hmgets(self, ukey: bytes | None, pkeys: np.ndarray) -> bytes:
+        """One buffer: HMGET of the user's hash (the user views served; None: not on this node), then one HMGET per
+        pair (fixed-width records)."""
+        head = b"" if ukey is None else (b"*%d\r\n" % (2 + len(self._user_fields)) + bulk(b"HMGET") + bulk(ukey)
+                                         + b"".join(map(bulk, self._user_fields)))
+        if not len(pkeys):
+            return head
         keys = bulk_records(pkeys)
         rec = np.empty(len(pkeys), np.dtype([("h", "u1", (len(self._pair_head),)), ("k", keys.dtype),
                                              ("f", "u1", (len(self._pair_tail),))]))
         rec["h"] = np.frombuffer(self._pair_head, np.uint8)
         rec["k"] = keys
         rec["f"] = np.frombuffer(self._pair_tail, np.uint8)
-        sock.sendall(head + rec.tobytes())
-        replies, reader, need = [], self._own.reader, 1 + len(pkeys)
+        return head + rec.tobytes()
+
+    def _read_single(self, ukey: bytes, pkeys: np.ndarray) -> list:
+        sock = self._redis().sock
+        sock.sendall(self._hmgets(ukey, pkeys))
+        return self._replies(sock, self._own.reader, 1 + len(pkeys))
+
+    @staticmethod
+    def _replies(sock, reader, need: int) -> list:
+        """The next ``need`` replies on ``sock``, parsed by hiredis; an error reply (e.g. MOVED) raises."""
+        replies = []
         while True:
             # Every complete reply buffered, parsed in C. gets() returns False when none is complete; an HMGET reply
             # is always an array, never False (a top-level integer 0 would be: not a reply this loop reads).
@@ -441,16 +475,16 @@ class _Connections:
     """One thread's connections to the store."""
 
     def __init__(self):
-        self.raw = self.reader = self.client = self.sqlite = None
+        self.raw = self.reader = self.client = self.sqlite = self.nodes = self.node_of_slot = None
 
     def drop(self) -> None:
-        for c in (self.raw, self.client, self.sqlite):
+        for c in (self.raw, self.client, self.sqlite, *(c for n in self.nodes or () for c in (n[0], n[2]))):
             try:
                 if c is not None:
                     c.close()
             except Exception:
                 pass
-        self.raw = self.reader = self.client = self.sqlite = None
+        self.raw = self.reader = self.client = self.sqlite = self.nodes = self.node_of_slot = None
 
 
 class _Timestamps(dict):

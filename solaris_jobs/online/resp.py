@@ -25,6 +25,46 @@ def bulk_records(rec: np.ndarray) -> np.ndarray:
     return out.view(np.dtype((np.void, out.dtype.itemsize)))
 
 
+_SLOT_TABLES: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _slot_table(width: int, pos: int) -> np.ndarray:
+    """CRC16 (XMODEM, what Redis Cluster hashes keys with) of ``width`` zero bytes but byte ``pos`` = 0..255."""
+    key = (width, pos)
+    if key not in _SLOT_TABLES:
+        from binascii import crc_hqx
+        buf = bytearray(width)
+        out = np.empty(256, np.uint16)
+        for b in range(256):
+            buf[pos] = b
+            out[b] = crc_hqx(bytes(buf), 0)
+        _SLOT_TABLES[key] = out
+    return _SLOT_TABLES[key]
+
+
+def key_slots(keys: np.ndarray) -> np.ndarray:
+    """The Redis Cluster slot of each fixed-width key (a numpy void array), as ``redis.crc.key_slot`` computes it,
+    in bulk. CRC16 with a zero start is linear over XOR, so a key's CRC is the first key's XOR the CRC of their
+    difference, which is non-zero only where the keys differ (an entity key's id bytes): one table lookup per
+    such byte and key. A key with a ``{`` may carry a hash tag: those go through ``key_slot`` one by one."""
+    from binascii import crc_hqx
+    n = len(keys)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    width = keys.dtype.itemsize
+    b = np.frombuffer(keys.tobytes(), np.uint8).reshape(n, width)
+    diff = b ^ b[0]
+    crc = np.full(n, crc_hqx(b[0].tobytes(), 0), np.uint16)
+    for pos in np.flatnonzero(diff.any(axis=0)):
+        crc ^= _slot_table(width, int(pos))[diff[:, pos]]
+    slots = (crc % 16384).astype(np.int64)
+    tagged = np.flatnonzero((b == ord("{")).any(axis=1))
+    if len(tagged):
+        from redis.crc import key_slot
+        slots[tagged] = [key_slot(b[i].tobytes()) for i in tagged]
+    return slots
+
+
 def bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 

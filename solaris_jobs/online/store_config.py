@@ -183,6 +183,25 @@ def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | N
     raise ValueError(f"{yaml_path}: online store type {kind!r} is not supported (sqlite or redis)")
 
 
+def cluster_primaries(cluster, cfg: StoreConfig, timeout_s: float | None = None):
+    """The primaries of a Redis Cluster as the cluster client ``cluster`` maps them now: (a client of each primary,
+    ``cfg``'s parameters and ``timeout_s``; the primary of each of the 16384 slots as an index into them). What the
+    raw cluster writer and the serving reader pipeline on, one connection per primary."""
+    import dataclasses
+
+    import numpy as np
+    slots = cluster.nodes_manager.slots_cache
+    index, of_slot = {}, np.zeros(16384, np.int64)
+    for slot in range(16384):
+        of_slot[slot] = index.setdefault(slots[slot][0].name, len(index))
+    clients = []
+    for name in index:
+        host, port = name.rsplit(":", 1)
+        clients.append(redis_client(dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),)),
+                                    timeout_s))
+    return clients, of_slot
+
+
 def redis_client(cfg: StoreConfig, timeout_s: float | None = None, **overrides):
     """A redis-py client for the configured Redis (standalone or cluster); ``timeout_s``: how long a call may wait
     (None: the store's ``timeout_s``)."""

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from solaris_jobs.online import feast_format as ff
-from solaris_jobs.online.resp import bulk, bulk_records, open_raw
-from solaris_jobs.online.store_config import StoreConfig, redis_client
+from solaris_jobs.online.resp import bulk, bulk_records, key_slots, open_raw
+from solaris_jobs.online.store_config import StoreConfig, cluster_primaries, redis_client
 from solaris_jobs.online.views import View
 
 if TYPE_CHECKING:
@@ -375,24 +375,14 @@ class ClusterWriter(_RedisStore):
 
     def __init__(self, client, cfg: StoreConfig):
         self.client, self.project, self._fields = client, cfg.project, {}
-        slots = client.nodes_manager.slots_cache
-        self.writers: dict[str, RedisWriter] = {}
-        self.node_of_slot = np.zeros(16384, np.int64)
-        names = []
-        for slot in range(16384):
-            node = slots[slot][0]
-            if node.name not in self.writers:
-                host, port = node.name.rsplit(":", 1)
-                sub = redis_client(dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),)))
-                self.writers[node.name] = RedisWriter(sub)
-                names.append(node.name)
-            self.node_of_slot[slot] = names.index(node.name)
-        self.names = names
+        subs, self.node_of_slot = cluster_primaries(client, cfg)
+        self.names = [f"{c.connection_pool.connection_kwargs['host']}:{c.connection_pool.connection_kwargs['port']}"
+                      for c in subs]
+        self.writers: dict[str, RedisWriter] = {n: RedisWriter(c) for n, c in zip(self.names, subs)}
 
     def write(self, view: View, enc: Encoded, ts_seconds: int, ts_nanos: int, expire_at_ms: int,
               fields: list[bytes], shared: bool = True, check_newer: bool = True) -> None:
-        from redis.crc import key_slot
-        slots = np.fromiter((key_slot(k.tobytes()) for k in enc.keys), np.int64, len(enc))
+        slots = key_slots(enc.keys)
         nodes = self.node_of_slot[slots]
         scripted = check_newer or shared
         for j, name in enumerate(self.names):
