@@ -593,14 +593,23 @@ def test_writer_and_reader_as_context_managers_close_what_they_open(kind, redis_
     reader.close()
 
 
-@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+@pytest.mark.parametrize("kind", ["redis", "redis_cluster", "sqlite"])
 def test_interval_lease_one_owner_at_a_time_renewed_released_and_expiring(kind, redis_server, tmp_path):
     """Two runs of one interval: the second is refused while the first holds the lease (and told who holds it),
-    the holder renews it, only the holder releases it, and a lease nobody renews expires."""
+    the holder renews it, only the holder releases it, and a lease nobody renews expires. On a Redis Cluster the
+    miss stream too: misses written by the serving client's sink come out of ``drain_misses`` whole."""
+    import contextlib
+
     from solaris_jobs.online import lease
+    from tests.support import RedisClusterServer
+    stack = contextlib.ExitStack()
     if kind == "redis":
         cfg = store_config.StoreConfig("redis", "solaris", Path("."), Path("."),
                                        nodes=(("127.0.0.1", redis_server.port),))
+    elif kind == "redis_cluster":
+        cluster = stack.enter_context(RedisClusterServer(tmp_path / "cluster"))
+        cfg = store_config.StoreConfig("redis", "solaris", Path("."), Path("."), redis_type="redis_cluster",
+                                       nodes=tuple(("127.0.0.1", n.port) for n in cluster.nodes))
     else:
         cfg = store_config.StoreConfig("sqlite", "solaris", Path("."), Path("."), sqlite_path=tmp_path / "online.db")
     end, other = ML_END + pd.Timedelta(days=400), ML_END + pd.Timedelta(days=401)
@@ -617,6 +626,18 @@ def test_interval_lease_one_owner_at_a_time_renewed_released_and_expiring(kind, 
     assert lease.holder(cfg, end) is None and lease.acquire(cfg, end, "run-c", 60)["owner"] == "run-c"
     for e, o in ((end, "run-c"), (other, "run-b")):
         assert lease.release(cfg, e, o)
+    if kind == "redis_cluster":
+        from solaris_jobs.core.offline import misses_uri
+        from solaris_jobs.online.misses import RedisStreamSink, drain_misses
+        sink = RedisStreamSink(cfg)
+        sink.write([(7, np.array([1, 2, 3]), 1_700_000_000_000), (8, np.array([2**40]), 1_700_000_001_000)])
+        sink.close()
+        moved = drain_misses(cfg, str(tmp_path / "offline"))
+        got = pd.read_parquet(misses_uri(str(tmp_path / "offline"))).sort_values(["user_id", "item_id"])
+        assert moved["pairs"] == 4 and got[["user_id", "item_id"]].values.tolist() == [[7, 1], [7, 2], [7, 3],
+                                                                                        [8, 2**40]]
+        assert drain_misses(cfg, str(tmp_path / "offline"))["pairs"] == 0        # moved, not copied
+    stack.close()
     if kind == "sqlite":
         # The operator's view and override of a failed run's lease: `solaris lease show|release`.
         import json
