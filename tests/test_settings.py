@@ -161,3 +161,13 @@ def test_a_flags_help_is_its_settings_fields_description():
         assert st.describe(name, st.TrainSettings)
     with pytest.raises(KeyError, match="PrecomputeConfig.knn_hnsw_m has no description"):
         st.describe("precompute.knn_hnsw_m")
+
+
+def test_only_a_local_spark_binds_loopback():
+    """``SPARK_LOCAL_IP=127.0.0.1`` is the library's default only for a session wholly on this host: a driver of a
+    remote master advertising 127.0.0.1 cannot be reached by its executors."""
+    from solaris_jobs.pipeline.spark import loopback_only
+    assert loopback_only("local[2]", {}) and loopback_only(None, {}) and loopback_only(None, {"MASTER": "local"})
+    assert not loopback_only("spark://10.0.0.5:7077", {}) and not loopback_only("yarn", {})
+    assert not loopback_only("k8s://https://api:6443", {}) and not loopback_only(None, {"MASTER": "spark://h:7077"})
+    assert not loopback_only(None, {"PYSPARK_GATEWAY_PORT": "4040"})         # spark-submit launched the JVM

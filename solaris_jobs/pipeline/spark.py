@@ -14,6 +14,19 @@ import sys
 logger = logging.getLogger(__name__)
 
 
+def loopback_only(master: str | None, env=None) -> bool:
+    """Whether a session for ``master`` is wholly on this host, so that its driver may bind 127.0.0.1 (what
+    ``spark_session`` then sets ``SPARK_LOCAL_IP`` to, unless it is set): a ``local`` master, or none given and no
+    JVM launched by spark-submit (then ``local[*]``). A driver of a remote master (``spark://``, ``yarn``, ``k8s://``)
+    must advertise an address its executors can reach: Spark's own choice, or ``SPARK_LOCAL_IP`` as set."""
+    env = os.environ if env is None else env
+    if master is None:
+        if "PYSPARK_GATEWAY_PORT" in env:            # under spark-submit: its JVM, its master, its address
+            return False
+        master = env.get("MASTER", "local[*]")
+    return master.startswith("local")
+
+
 def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None, *,
                   driver_memory: str | None = None, log_level: str | None = None):
     """Returns a SparkSession (creating one if needed) configured for SOLARIS jobs.
@@ -33,7 +46,8 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     # Python workers must run the interpreter that has the project's packages.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if loopback_only(master):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
     # Session settings: what a Spark Connect server's sessions take too. The jobs' results depend on these:
