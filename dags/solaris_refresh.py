@@ -153,15 +153,31 @@ def _settings_json() -> str:
     return _settings().for_spark_submit().to_json()
 
 
+def _check_deploy_mode(context=None) -> None:
+    """Refuses, before spark-submit runs, a deploy mode the connection's master cannot run a Python driver in."""
+    from airflow.sdk import Connection
+
+    from solaris_jobs.core.settings import Settings
+    c = Connection.get(SPARK_CONN)
+    master = f"{c.host}:{c.port}" if c.port else str(c.host)
+    Settings.from_env(require=False).spark_submit.check_master(master)
+
+
 def _spark_submit(step: str, script: str, **kwargs):
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    from solaris_jobs.core.settings import Settings
     args = ["--settings", "{{ solaris_settings() }}",
             "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}",
             "--lease-owner", "{{ run_id }}"]
-    # spark-submit inherits the task's environment: the driver takes the interval's lease in the same store.
-    return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
-                               application_args=args, doc_md=DOCS[step], on_execute_callback=_redis_connection,
-                               post_execute=_announce_published(step), **kwargs)
+    # The step's spark-submit settings (SOLARIS_SPARK_SUBMIT: conf, a packed environment, env vars, deploy mode),
+    # read when the DAG is parsed: a bad value is an import error that names the variable.
+    submit = Settings.from_env(require=False).spark_submit.operator_args(step, script, str(ROOT / "spark_jobs"))
+    # In client mode spark-submit inherits the task's environment: the driver takes the interval's lease in the
+    # same store.
+    return SparkSubmitOperator(task_id=step, conn_id=SPARK_CONN, application_args=args, doc_md=DOCS[step],
+                               on_execute_callback=[_redis_connection, _check_deploy_mode],
+                               post_execute=_announce_published(step), **submit, **kwargs)
 
 
 with DAG(

@@ -88,12 +88,19 @@ def test_dag_integrity(airflow_env, monkeypatch):
         "solaris_online_store"}
     # Parsing imports none of the heavy libraries (a fresh interpreter, as the DAG processor has), and with a
     # Spark connection the Spark steps become SparkSubmitOperators (the FM one on the configured queue).
+    # Each Spark step's spark-submit settings come from SOLARIS_SPARK_SUBMIT: shared ones, and the embed step's own
+    # on top (GPU resources, its py-files).
     code = ("import sys, importlib.util as u; s = u.spec_from_file_location('d', sys.argv[1]); "
             "m = u.module_from_spec(s); s.loader.exec_module(m); import json; "
+            "sub = lambda t: {f: getattr(t, f, None) for f in ('application', 'conf', 'py_files', '_archives', "
+            "'env_vars', '_deploy_mode')}; "
             "print(json.dumps({'heavy': [k for k in sys.argv[2:] if k in sys.modules], "
-            "'ops': {t.task_id: type(t).__name__ for t in m.dag.tasks}, 'queue': m.dag.get_task('embed').queue}))")
+            "'ops': {t.task_id: type(t).__name__ for t in m.dag.tasks}, 'queue': m.dag.get_task('embed').queue, "
+            "'submit': {n: sub(m.dag.get_task(n)) for n in ('select', 'embed')}}))")
+    submit = {"conf": {"spark.executor.memory": "8g"}, "archives": ["env.tar.gz#env"], "env_vars": {"A": "1"},
+              "steps": {"embed": {"conf": {"spark.task.resource.gpu.amount": "1"}, "py_files": ["fm.zip"]}}}
     for conn, kind in ((None, "_PythonDecoratedOperator"), ("spark_default", "SparkSubmitOperator")):
-        env = {**os.environ, "SOLARIS_FM_QUEUE": "gpu"}
+        env = {**os.environ, "SOLARIS_FM_QUEUE": "gpu", "SOLARIS_SPARK_SUBMIT": json.dumps(submit)}
         if conn:
             env["SOLARIS_SPARK_CONN_ID"] = conn
         res = subprocess.run([sys.executable, "-c", code, str(DAGS / "solaris_refresh.py"), *HEAVY],
@@ -103,6 +110,13 @@ def test_dag_integrity(airflow_env, monkeypatch):
         assert info["heavy"] == [], info
         assert info["ops"]["embed"] == kind and info["ops"]["validate"] == "_PythonDecoratedOperator"
         assert info["queue"] == "gpu"
+    assert info["submit"] == {
+        "select": {"application": str(ROOT / "spark_jobs" / "select_candidates.py"),
+                   "conf": {"spark.executor.memory": "8g"}, "py_files": None, "_archives": "env.tar.gz#env",
+                   "env_vars": {"A": "1"}, "_deploy_mode": "client"},
+        "embed": {"application": str(ROOT / "spark_jobs" / "fm_inference.py"),
+                  "conf": {"spark.executor.memory": "8g", "spark.task.resource.gpu.amount": "1"}, "py_files": "fm.zip",
+                  "_archives": "env.tar.gz#env", "env_vars": {"A": "1"}, "_deploy_mode": "client"}}
 
 
 def _sqlite_yaml(tmp_path: Path) -> Path:

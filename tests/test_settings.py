@@ -171,3 +171,27 @@ def test_only_a_local_spark_binds_loopback():
     assert not loopback_only("spark://10.0.0.5:7077", {}) and not loopback_only("yarn", {})
     assert not loopback_only("k8s://https://api:6443", {}) and not loopback_only(None, {"MASTER": "spark://h:7077"})
     assert not loopback_only(None, {"PYSPARK_GATEWAY_PORT": "4040"})         # spark-submit launched the JVM
+
+
+def test_spark_submit_settings_per_step_and_the_deploy_modes_refused():
+    """SOLARIS_SPARK_SUBMIT: shared spark-submit settings and a step's own on top; cluster mode needs where the
+    cluster finds spark_jobs/, and a standalone master cannot run it for Python (both refused, named)."""
+    sub = Settings.from_env({"SOLARIS_SPARK_SUBMIT": json.dumps({
+        "conf": {"a": "1"}, "py_files": ["x.zip"], "deploy_mode": "cluster", "application_root": "s3a://b/jobs/",
+        "steps": {"neighbours": {"conf": {"a": "2", "b": "3"}, "py_files": ["y.zip"], "env_vars": {"E": "v"}}}})},
+        require=False).spark_submit
+    assert sub.operator_args("neighbours", "neighbours.py", "/here") == {
+        "application": "s3a://b/jobs/neighbours.py", "conf": {"a": "2", "b": "3"}, "py_files": "x.zip,y.zip",
+        "archives": None, "env_vars": {"E": "v"}, "deploy_mode": "cluster"}
+    assert sub.operator_args("select", "select_candidates.py", "/here")["conf"] == {"a": "1"}
+    sub.check_master("yarn")
+    with pytest.raises(ValueError, match=r"standalone master \(spark://h:7077\) runs Python applications in client"):
+        sub.check_master("spark://h:7077")
+    for raw, message in [('{"deploy_mode": "cluster"}', "set application_root"),
+                         ('{"steps": {"embedd": {}}}', r"SOLARIS_SPARK_SUBMIT \(spark_submit.steps.embedd"),
+                         ('{"deploy_mode": "both"}', "SOLARIS_SPARK_SUBMIT"), ("{", "SOLARIS_SPARK_SUBMIT is not JSON")]:
+        with pytest.raises(ValueError, match=message):
+            Settings.from_env({"SOLARIS_SPARK_SUBMIT": raw}, require=False)
+    assert Settings().spark_submit.operator_args("embed", "fm_inference.py", "/here") == {
+        "application": "/here/fm_inference.py", "conf": None, "py_files": None, "archives": None, "env_vars": None,
+        "deploy_mode": "client"}

@@ -191,6 +191,68 @@ _describe(PrecomputeConfig, {
     "device": "Torch device for the models (auto: CUDA when present).",
 })
 
+# ------------------------------------------------------------------------------------------------ spark-submit
+
+SPARK_STEPS = ("select", "embed", "aggregate", "neighbours")
+SparkStep = Literal["select", "embed", "aggregate", "neighbours"]
+
+
+@dataclass(frozen=True, config=_STRICT)
+class SparkSubmitStep:
+    """One Spark step's own spark-submit settings, on top of the shared ones (``conf`` and ``env_vars`` per key,
+    ``py_files`` and ``archives`` appended): e.g. GPU resources for ``embed`` only."""
+    conf: dict[str, str] = Field(default_factory=dict)
+    py_files: tuple[str, ...] = ()
+    archives: tuple[str, ...] = ()
+    env_vars: dict[str, str] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True, config=_STRICT)
+class SparkSubmitConfig:
+    """How the refresh DAG submits its four Spark steps when ``SOLARIS_SPARK_CONN_ID`` is set (``SOLARIS_SPARK_SUBMIT``
+    JSON): Spark settings, a packed Python environment (``archives``, e.g. ``env.tar.gz#env`` with
+    ``spark.pyspark.python=./env/bin/python``) or ``py_files``, environment variables, and the deploy mode, shared
+    by the four steps and per step (``steps``).
+
+    ``deploy_mode``: ``client`` (the driver runs on the Airflow worker, which must reach the cluster and the online
+    store) or ``cluster`` (the driver runs on the cluster: YARN or Kubernetes; Spark's standalone master runs Python
+    drivers in client mode only, refused when the task starts). In cluster mode the driver cannot read the Airflow
+    worker's files: ``application_root`` is where the cluster's nodes find ``spark_jobs/`` (``local:///opt/solaris/
+    spark_jobs``, ``s3a://bucket/solaris/spark_jobs``), and the driver needs the online store's connection (it
+    takes the interval's lease) through the cluster's own secrets, not ``env_vars``.
+    """
+    conf: dict[str, str] = Field(default_factory=dict)
+    py_files: tuple[str, ...] = ()
+    archives: tuple[str, ...] = ()
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    deploy_mode: Literal["client", "cluster"] = "client"
+    application_root: str | None = None
+    steps: dict[SparkStep, SparkSubmitStep] = Field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.deploy_mode == "cluster" and not self.application_root:
+            raise ValueError("deploy_mode cluster runs the driver on the cluster, which cannot read this worker's "
+                             "spark_jobs/: set application_root to where the cluster's nodes find it (e.g. "
+                             "local:///opt/solaris/spark_jobs or s3a://bucket/solaris/spark_jobs)")
+
+    def operator_args(self, step: str, script: str, local_root: str) -> dict:
+        """``SparkSubmitOperator`` arguments of ``step`` (its script ``script``; ``local_root``: this checkout's
+        ``spark_jobs/``, the application in client mode without an ``application_root``)."""
+        own = self.steps.get(step, SparkSubmitStep())
+        root = (self.application_root or local_root).rstrip("/")
+        joined = lambda a, b: ",".join((*a, *b)) or None       # noqa: E731
+        return {"application": f"{root}/{script}", "conf": {**self.conf, **own.conf} or None,
+                "py_files": joined(self.py_files, own.py_files), "archives": joined(self.archives, own.archives),
+                "env_vars": {**self.env_vars, **own.env_vars} or None, "deploy_mode": self.deploy_mode}
+
+    def check_master(self, master: str) -> None:
+        """Raises ValueError for a deploy mode the master cannot run a Python driver in."""
+        if self.deploy_mode == "cluster" and master.startswith("spark://"):
+            raise ValueError(f"SOLARIS_SPARK_SUBMIT deploy_mode cluster: Spark's standalone master ({master}) runs "
+                             f"Python applications in client mode only; use deploy_mode client, or a YARN or "
+                             f"Kubernetes master for cluster mode")
+
+
 # ------------------------------------------------------------------------------------------------ refresh
 
 
@@ -215,6 +277,7 @@ class Settings:
         log_level: SOLARIS's log level in job processes (spark-submit drivers).
         lease_minutes: how long a run's lease of its interval lasts unless a step renews it
             (``solaris_jobs.online.lease``); as long as a DAG run may last (its 6 h ``dagrun_timeout``).
+        spark_submit: how the refresh DAG's spark-submit runs the Spark steps (``SparkSubmitConfig``).
         store_timeout_seconds: how long the refresh's and the operator commands' calls to a Redis online store
             (connect, a reply, a write's reply) may wait before the command fails with a message naming the store
             (the serving reader has its own ``budget_ms``).
@@ -236,6 +299,7 @@ class Settings:
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     lease_minutes: float = Field(360.0, gt=0)
     store_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    spark_submit: SparkSubmitConfig = Field(default_factory=SparkSubmitConfig)
 
     @field_validator("log_level", "spark_log_level", mode="before")
     @classmethod
@@ -263,7 +327,7 @@ class Settings:
             value = env.get(var)
             if value is None or value == "":
                 continue
-            if name == "precompute":
+            if name in JSON_FIELDS:
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as e:
@@ -296,7 +360,7 @@ class Settings:
             value = getattr(self, name)
             if value is None:
                 continue
-            out[var] = json.dumps(asdict(value)) if name == "precompute" else str(value)
+            out[var] = json.dumps(asdict(value)) if name in JSON_FIELDS else str(value)
         return out
 
     def override(self, **changes) -> "Settings":
@@ -337,7 +401,9 @@ ENV = {  # variable -> Settings field
     "SOLARIS_LOG_LEVEL": "log_level",
     "SOLARIS_LEASE_MINUTES": "lease_minutes",
     "SOLARIS_STORE_TIMEOUT_SECONDS": "store_timeout_seconds",
+    "SOLARIS_SPARK_SUBMIT": "spark_submit",
 }
+JSON_FIELDS = ("precompute", "spark_submit")         # given as JSON in their variables
 _VAR = {name: var for var, name in ENV.items()}
 _ADAPTER = TypeAdapter(Settings)
 
