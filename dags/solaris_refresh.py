@@ -41,9 +41,12 @@ REDIS_CONN = os.environ.get("SOLARIS_REDIS_CONN_ID")     # an Airflow connection
 
 
 def _redis_connection(context=None) -> None:
-    """``SOLARIS_REDIS`` from the Airflow connection, when one is configured (before a task touches the store)."""
-    from solaris_jobs.online.store_config import use_airflow_connection
+    """``SOLARIS_REDIS`` from the Airflow connection, when one is configured (before a task touches the store); an
+    SQLite store under an executor that runs tasks on several hosts is refused."""
+    from solaris_jobs.flows.refresh_steps import store
+    from solaris_jobs.online.store_config import check_shared, use_airflow_connection
     use_airflow_connection(REDIS_CONN)
+    check_shared(store(_settings()))
 
 
 def _asset(name: str) -> Asset:

@@ -888,3 +888,25 @@ def test_one_reader_shared_by_threads_serves_what_it_serves_alone(ml_run, store)
     assert c["tier_pair"] == rounds * sum(int((w.tiers == 0).sum()) for w in want)
     assert len(shared._states) > 1                        # the threads had connections of their own
     shared.close()
+
+
+def test_an_sqlite_store_is_refused_under_an_executor_of_several_hosts(tmp_path, monkeypatch):
+    """Celery or Kubernetes workers on several hosts would each write their own SQLite file (features and leases
+    that never meet): refused with the settings to change; a Redis store, or one host's executor, is fine. The
+    DAGs' tasks run the same check before they touch the store (with Airflow's configured executor)."""
+    sqlite = store_config.StoreConfig("sqlite", "solaris", tmp_path, tmp_path / "feature_store.yaml",
+                                      sqlite_path=tmp_path / "online.db")
+    for executor in ("CeleryExecutor", "LocalExecutor,KubernetesExecutor",
+                     "gpu:airflow.providers.celery.executors.celery_executor.CeleryExecutor"):
+        with pytest.raises(ValueError, match=r"SQLite online store .*online.db .* lives on one host, but Airflow's "
+                                             r"(Celery|Kubernetes)Executor runs tasks on several.*"
+                                             r"FEAST_FS_YAML_FILE_PATH=feature_store.redis.yaml"):
+            store_config.check_shared(sqlite, executor)
+    for executor in ("LocalExecutor", "SequentialExecutor", "airflow.executors.local_executor.LocalExecutor", ""):
+        store_config.check_shared(sqlite, executor)
+    redis_cfg = store_config.StoreConfig("redis", "solaris", tmp_path, tmp_path / "fs.yaml", nodes=(("h", 1),))
+    store_config.check_shared(redis_cfg, "CeleryExecutor")
+    # With no executor given, Airflow's own configuration is read (AIRFLOW__CORE__EXECUTOR).
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    with pytest.raises(ValueError, match="CeleryExecutor runs tasks on several"):
+        store_config.check_shared(sqlite)

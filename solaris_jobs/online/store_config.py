@@ -139,6 +139,34 @@ def unavailable_message(cfg: StoreConfig | None, e: BaseException, node: str | N
             f"{named}; {settings.env_var('store_timeout_seconds')} sets how long a call may wait")
 
 
+# Airflow executors whose tasks all run on the scheduler's host: an SQLite online store (and its lease) is shared.
+SINGLE_HOST_EXECUTORS = {"LocalExecutor", "SequentialExecutor", "DebugExecutor"}
+
+
+def check_shared(cfg: StoreConfig, executor: str | None = None) -> None:
+    """Refuses an SQLite online store under an Airflow executor that runs tasks on several hosts (Celery,
+    Kubernetes, ...): each host would write its own file, so features and the interval leases (kept in the same
+    store) would not meet. ``executor``: Airflow's ``[core] executor`` (a list, aliases and module paths allowed;
+    None: read from Airflow's configuration).
+
+    Raises:
+        ValueError: naming the store, the executor and the settings to change.
+    """
+    if cfg.kind != "sqlite":
+        return
+    if executor is None:
+        from airflow.configuration import conf
+        executor = conf.get("core", "executor", fallback="") or ""
+    names = [p.split(":")[-1].rsplit(".", 1)[-1].strip() for p in executor.split(",") if p.strip()]
+    shared = [n for n in names if n not in SINGLE_HOST_EXECUTORS]
+    if shared:
+        raise ValueError(f"the SQLite online store {cfg.sqlite_path} (named by {cfg.yaml_path}) lives on one host, but "
+                         f"Airflow's {', '.join(shared)} runs tasks on several: their features and interval leases "
+                         f"would not meet. Point every worker at one Redis: FEAST_FS_YAML_FILE_PATH="
+                         f"feature_store.redis.yaml (or feature_store.redis_cluster.yaml) and {settings.REDIS_ENV} "
+                         f"(or SOLARIS_REDIS_CONN_ID)")
+
+
 def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None,
          timeout_s: float | None = None) -> StoreConfig:
     """The online store the Feast repo's yaml names; ``timeout_s``: how long a call to Redis may wait (None: the
