@@ -53,7 +53,7 @@ def run_setting(fm, ae, data: dict, batch: int, mode: str, shared: bool) -> tupl
     import torch
 
     from models import batch_to_tensors
-    from solaris_jobs.pipeline.precompute import user_batches
+    from solaris_jobs.pipeline.inference import user_batches
     per_user = np.bincount(data["rows"])
     starts = np.concatenate([[0], np.cumsum(per_user)])
     pair_keys = [k for k in data if k not in ("hist_item", "hist_signal", "hist_gap", "rows")]

@@ -67,7 +67,7 @@ def torch_reference(data: str, models: str, pairs: pd.DataFrame, end: pd.Timesta
     from models import batch_to_tensors, load_checkpoint
     from solaris_jobs.core import events as ev
     from solaris_jobs.core.model_inputs import EventIndex, Examples
-    from solaris_jobs.pipeline.precompute import user_batches
+    from solaris_jobs.pipeline.inference import user_batches
     t0 = time.perf_counter()
     table = ev.read_events(data, end=end)
     index = EventIndex(table)

@@ -37,6 +37,10 @@ class FMConfig:
 
 
 class FoundationModel(nn.Module):
+    # The reduced precision its inference may run in on a GPU (autocast), once ``benchmarks/gpu_check.py`` has shown
+    # its codes within tolerance of float32's on a GPU; None (float32) until a GPU run has shown it.
+    mixed_precision: str | None = None
+
     def __init__(self, cfg: FMConfig):
         super().__init__()
         self.cfg = cfg

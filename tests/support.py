@@ -6,6 +6,7 @@ Fixtures live in ``conftest.py``; tests import helpers from here, never from ``c
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -58,19 +59,28 @@ def feast_yaml(path: Path, online: str, registry: Path | None = None) -> Path:
 
 
 class SparkStandalone:
-    """A Spark standalone master and one worker on loopback: a real cluster deployment on one machine."""
+    """A Spark standalone master and one worker on loopback: a real cluster deployment on one machine. ``gpus``: the
+    GPU addresses the worker's discovery script reports (fake ones on a machine without GPUs: Spark schedules
+    them as resources without touching a device)."""
 
-    def __init__(self, workdir: Path, cores: int = 2, memory: str = "2g"):
+    def __init__(self, workdir: Path, cores: int = 2, memory: str = "2g", gpus: tuple[str, ...] = ()):
         self.workdir = workdir
         self.port, self.ui, self.worker_ui = free_port(), free_port(), free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
-        self.cores, self.memory = cores, memory
+        self.cores, self.memory, self.gpus = cores, memory, tuple(gpus)
         self.procs: list[subprocess.Popen] = []
 
     def env(self) -> dict:
-        return {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_MASTER_HOST": "127.0.0.1",
-                "SPARK_WORKER_DIR": str(self.workdir / "work"), "SPARK_LOG_DIR": str(self.workdir / "logs"),
-                "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        out = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_MASTER_HOST": "127.0.0.1",
+               "SPARK_WORKER_DIR": str(self.workdir / "work"), "SPARK_LOG_DIR": str(self.workdir / "logs"),
+               "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+        if self.gpus:
+            script = self.workdir / "gpus.sh"
+            script.write_text("#!/bin/sh\necho '%s'\n" % json.dumps({"name": "gpu", "addresses": list(self.gpus)}))
+            script.chmod(0o755)
+            out["SPARK_WORKER_OPTS"] = (f"-Dspark.worker.resource.gpu.amount={len(self.gpus)} "
+                                        f"-Dspark.worker.resource.gpu.discoveryScript={script}")
+        return out
 
     def _start(self, cls: str, args: list[str], log: Path) -> subprocess.Popen:
         spark_class = shutil.which("spark-class", path=str(Path(sys.executable).parent))

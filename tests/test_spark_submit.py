@@ -48,3 +48,43 @@ def test_clients_of_the_shared_spark_connect_session_reuse_its_python_workers(tm
     assert shared[0] == shared[1] == shared[2] and len(shared[0]) >= 1
     assert not set(own[0]) & set(own[1]) and not set(own[0]) & set(shared[0])
     assert after_own > after_shared > 0
+
+
+GPU_CLIENT = """
+import json, sys
+from solaris_jobs.pipeline.model_refs import task_device
+from solaris_jobs.pipeline.spark import spark_session
+spark = spark_session("gpus", sys.argv[1], conf={"spark.executor.resource.gpu.amount": "2",
+                                                  "spark.task.resource.gpu.amount": "1", "spark.executor.cores": "2"})
+
+def devices(frames):
+    import pandas as pd
+    from pyspark import TaskContext
+    for pdf in frames:
+        ctx = TaskContext.get()
+        yield pd.DataFrame({"part": [ctx.partitionId()], "auto": [task_device("auto")],
+                            "cuda": [task_device("cuda")], "cpu": [task_device("cpu")],
+                            "assigned": [",".join(ctx.resources()["gpu"].addresses)]})
+
+rows = spark.range(8, numPartitions=4).mapInPandas(devices, "part int, auto string, cuda string, cpu string, "
+                                                           "assigned string").collect()
+print(json.dumps([r.asDict() for r in rows]))
+"""
+
+
+def test_each_task_runs_its_models_on_the_gpu_spark_assigned_it(tmp_path):
+    """A standalone worker whose discovery script reports two (fake) GPUs, executors asking for both and tasks for
+    one each: every task's device is its own assigned GPU (``cuda:<address>``, not always ``cuda:0``) for
+    ``auto`` and ``cuda``, and an explicit ``cpu`` stays the CPU. Outside a task (no GPUs assigned) ``auto`` stays
+    ``auto`` (CUDA if present, else the CPU: the CPU path unchanged)."""
+    from solaris_jobs.pipeline.model_refs import task_device
+    from tests.support import SparkStandalone
+    with SparkStandalone(tmp_path / "cluster", gpus=("5", "7")) as cluster:
+        res = subprocess.run([sys.executable, "-c", GPU_CLIENT, cluster.url], capture_output=True, text=True,
+                             timeout=300, env=cluster.env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sorted(r["part"] for r in rows) == [0, 1, 2, 3]
+    for r in rows:
+        assert r["assigned"] in ("5", "7") and r["auto"] == r["cuda"] == f"cuda:{r['assigned']}" and r["cpu"] == "cpu"
+    assert task_device("auto") == "auto" and task_device("cuda:3") == "cuda:3"

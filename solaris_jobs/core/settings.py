@@ -85,7 +85,11 @@ class PrecomputeConfig:
         user_batch_size: users per batch of the FM user embedding (the neighbours step: the history encoder alone,
             whose intermediates outgrow the CPU's caches in large batches: ``benchmarks/fm_inference.py
             --user-embedding`` measured 5.2K users/s per thread at 128 against 3.3K at 1024, identical vectors).
-        device: torch device for the models (``auto``: CUDA when present).
+        device: torch device for the models (``auto``: CUDA when present). On a Spark executor with GPUs assigned
+            to its tasks (``spark.task.resource.gpu.amount``), ``auto`` and ``cuda`` take the task's own GPU
+            (``model_refs.task_device``).
+        gpu_batch_size, gpu_user_batch_size: ``batch_size`` and ``user_batch_size`` on a GPU (a GPU wants far
+            larger batches than a CPU core).
         aggregate_hours: window of the user aggregate (and of the pairs behind an item-aware fallback).
         item_aware_temperature: the item-aware fallback of a pair (u, j) ranked, missed or left out by the
             selection lately without a pair embedding weighs u's embedded pairs (u, i) by softmax(cos(item j,
@@ -127,6 +131,8 @@ class PrecomputeConfig:
     batch_size: int = Field(1024, ge=1)
     user_batch_size: int = Field(128, ge=1)
     device: str = "auto"
+    gpu_batch_size: int = Field(16384, ge=1)
+    gpu_user_batch_size: int = Field(4096, ge=1)
     aggregate_hours: float = Field(24.0, gt=0)
     item_aware_temperature: float = Field(0.1, gt=0)
     knn_k: int = Field(10, ge=1)
@@ -188,7 +194,10 @@ _describe(PrecomputeConfig, {
     "item_aware_temperature": "The item-aware fallback weighs the user's embedded pairs by softmax(item cosine "
                               "similarity / this).",
     "miss_hours": "Serving misses recorded this many hours before T are forced into the selection.",
-    "device": "Torch device for the models (auto: CUDA when present).",
+    "device": "Torch device for the models (auto: CUDA when present; a Spark task's own GPU where Spark assigns "
+              "GPUs).",
+    "gpu_batch_size": "Rows per model batch on a GPU.",
+    "gpu_user_batch_size": "Users per batch of the FM user embedding on a GPU.",
 })
 
 # ------------------------------------------------------------------------------------------------ spark-submit

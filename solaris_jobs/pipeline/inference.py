@@ -12,7 +12,7 @@ import pandas as pd
 
 from solaris_jobs.core.settings import PrecomputeConfig
 from solaris_jobs.pipeline.history import ITEM_COUNTER_COLS, USER_COUNTER_COLS
-from solaris_jobs.pipeline.model_refs import ModelRef, ModelSet, load
+from solaris_jobs.pipeline.model_refs import ModelRef, ModelSet, load, task_device
 
 # Why an FM output is set aside instead of written (embed counts them per reason in its stats).
 NONFINITE_REASONS = ("FM output is not finite", "autoencoder code is not finite")
@@ -93,7 +93,7 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
                          StructField("reject_reason", StringType()), StructField("model_s", DoubleType())])
     at = pd.Timestamp(cutoff)
     at_us = at.value // 1000
-    batch_size, device, threads, L = cfg.batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    device, threads, L = cfg.device, cfg.torch_threads, cfg.history_len
     fm_ref, ae_ref, version = models.fm, models.ae, models.embedding_version
     reasons = np.array([*NONFINITE_REASONS, None], dtype=object)
 
@@ -101,8 +101,11 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
         import torch
 
         from models import batch_to_tensors
-        fm, _, dev = load(fm_ref, device, threads)
-        ae, _, _ = load(ae_ref, device, threads)
+        fm, _, dev = load(fm_ref, task_device(device), threads)
+        ae, _, _ = load(ae_ref, task_device(device), threads)
+        batch_size = cfg.gpu_batch_size if dev.type == "cuda" else cfg.batch_size
+        # Mixed precision only on a GPU and only where the FM declares it safe (``FoundationModel.mixed_precision``).
+        amp = getattr(fm, "mixed_precision", None) if dev.type == "cuda" else None
         for pdf in frames:
             n_pairs = pdf["item_id"].map(len).to_numpy(np.int64)
             for users in user_batches(n_pairs, batch_size):
@@ -116,7 +119,8 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
                 b["item"] = b.pop("item_id")
                 rows = torch.as_tensor(np.repeat(np.arange(len(part)), n), device=dev)
                 t0 = time.perf_counter()
-                with torch.inference_mode():
+                with torch.inference_mode(), torch.autocast(dev.type, dtype=getattr(torch, amp or "bfloat16"),
+                                                             enabled=amp is not None):
                     h = fm(batch_to_tensors(b, dev), rows=rows)["h"]
                     code = ae.encode(h)
                     finite = (torch.isfinite(h).all(1).cpu().numpy(), torch.isfinite(code).all(1).cpu().numpy())
@@ -137,15 +141,16 @@ def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig,
     schema = StructType([StructField("user_id", LongType()), StructField("vector", ArrayType(FloatType())),
                          StructField("state", ArrayType(FloatType())), StructField("reject_reason", StringType())])
     at_us = pd.Timestamp(cutoff).value // 1000
-    batch_size, device, threads, L = cfg.user_batch_size, cfg.device, cfg.torch_threads, cfg.history_len
+    device, threads, L = cfg.device, cfg.torch_threads, cfg.history_len
     reasons = np.array([NONFINITE_USER, None], dtype=object)
 
     def embed(frames):
         import torch
 
         from models import batch_to_tensors
-        model, _, dev = load(fm, device, threads)
-        coder = load(ae, device, threads)[0] if ae is not None else None
+        model, _, dev = load(fm, task_device(device), threads)
+        coder = load(ae, task_device(device), threads)[0] if ae is not None else None
+        batch_size = cfg.gpu_user_batch_size if dev.type == "cuda" else cfg.user_batch_size
         coder = coder if coder is not None and coder.user is not None else None     # an AE without a user coder
         for pdf in frames:
             for s in range(0, len(pdf), batch_size):

@@ -68,6 +68,26 @@ def resolve_device(name: str = "auto"):
     return torch.device(name)
 
 
+def task_device(name: str = "auto", context=None) -> str:
+    """The device a Spark task runs its models on: with ``auto`` or ``cuda`` and GPUs that Spark assigned to this task
+    (``spark.task.resource.gpu.amount`` with a discovery script on the workers), the task's first GPU,
+    ``cuda:<address>``, so that tasks sharing an executor's GPUs each use their own; otherwise ``name`` as it is
+    (``resolve_device`` then picks CUDA or the CPU). ``context``: the task's ``TaskContext`` (default: the current
+    one; none outside a task)."""
+    if name not in ("auto", "cuda"):
+        return name
+    if context is None:
+        try:
+            from pyspark import TaskContext
+        except ImportError:
+            return name
+        context = TaskContext.get()
+    gpus = context.resources().get("gpu") if context is not None else None
+    if gpus is not None and gpus.addresses:
+        return f"cuda:{gpus.addresses[0]}"
+    return name
+
+
 def check_ae_of_fm(fm_meta: dict, ae_meta: dict, fm_path, ae_path) -> None:
     """Raises ValueError unless the autoencoder was trained on this FM (its checkpoint records the FM version)."""
     trained_on = ae_meta.get("extra", {}).get("fm_version")

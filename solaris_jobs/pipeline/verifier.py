@@ -8,7 +8,7 @@ import pandas as pd
 
 from solaris_jobs.core.settings import PrecomputeConfig
 from solaris_jobs.pipeline.history import COUNTER_COLS
-from solaris_jobs.pipeline.model_refs import ModelRef, load
+from solaris_jobs.pipeline.model_refs import ModelRef, load, task_device
 
 
 def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
@@ -21,14 +21,15 @@ def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
         raise ValueError(f"verifier {vm.path}: this VM takes the rankers' recency inputs, which the select step does "
                          "not compute (it has each pair's counters at T); train the verifier with "
                          "`training.train_verifier` (`solaris train` does)")
-    batch_size, device, threads = cfg.batch_size, cfg.device, cfg.torch_threads
+    device, threads = cfg.device, cfg.torch_threads
     names = ("user", "item", *COUNTER_COLS)
 
     def score(batches: Iterator[tuple[pd.Series, ...]]) -> Iterator[pd.Series]:
         import torch
 
         from models import batch_to_tensors
-        model, _, dev = load(vm, device, threads)
+        model, _, dev = load(vm, task_device(device), threads)
+        batch_size = cfg.gpu_batch_size if dev.type == "cuda" else cfg.batch_size
         for cols in batches:
             arrays = [c.to_numpy(np.int64 if k < 2 else np.float32) for k, c in enumerate(cols)]
             scores = np.empty(len(arrays[0]), np.float32)
