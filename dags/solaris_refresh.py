@@ -40,13 +40,11 @@ SPARK_CONN = os.environ.get("SOLARIS_SPARK_CONN_ID")
 REDIS_CONN = os.environ.get("SOLARIS_REDIS_CONN_ID")     # an Airflow connection for the Redis online store
 
 
-def _redis_connection(context=None) -> None:
+def _prepare_store(context=None) -> None:
     """``SOLARIS_REDIS`` from the Airflow connection, when one is configured (before a task touches the store); an
     SQLite store under an executor that runs tasks on several hosts is refused."""
-    from solaris_jobs.flows.refresh_steps import store
-    from solaris_jobs.online.store_config import check_shared, use_airflow_connection
-    use_airflow_connection(REDIS_CONN)
-    check_shared(store(_settings()))
+    from solaris_jobs.online.store_config import for_airflow_task
+    for_airflow_task(_settings(), REDIS_CONN)
 
 
 def _asset(name: str) -> Asset:
@@ -133,7 +131,7 @@ def _announce(step: str, stats: dict, ctx) -> None:
 def _run(step: str) -> dict:
     from solaris_jobs.flows import refresh_steps as o
     ctx = get_current_context()
-    _redis_connection()
+    _prepare_store()
     # The run id owns the interval's lease for the run's steps: another run of the same interval (a backfill beside
     # the schedule) stops with a clear error instead of mixing its outputs with this one's.
     stats = o.run_step(_settings(), step, ctx["data_interval_start"], ctx["data_interval_end"], owner=ctx["run_id"])
@@ -156,14 +154,15 @@ def _settings_json() -> str:
     return _settings().for_spark_submit().to_json()
 
 
-def _check_deploy_mode(context=None) -> None:
-    """Refuses, before spark-submit runs, a deploy mode the connection's master cannot run a Python driver in."""
+def _before_spark_submit(context=None) -> None:
+    """Before spark-submit runs (``pre_execute``: an exception here fails the task; Airflow only logs one raised by
+    an ``on_execute_callback``): the online store prepared and checked, and a deploy mode the connection's master
+    cannot run a Python driver in refused."""
     from airflow.sdk import Connection
-
-    from solaris_jobs.core.settings import Settings
+    _prepare_store()
     c = Connection.get(SPARK_CONN)
     master = f"{c.host}:{c.port}" if c.port else str(c.host)
-    Settings.from_env(require=False).spark_submit.check_master(master)
+    _settings().spark_submit.check_master(master, c.extra_dejson.get("deploy-mode"))
 
 
 def _spark_submit(step: str, script: str, **kwargs):
@@ -179,7 +178,7 @@ def _spark_submit(step: str, script: str, **kwargs):
     # In client mode spark-submit inherits the task's environment: the driver takes the interval's lease in the
     # same store.
     return SparkSubmitOperator(task_id=step, conn_id=SPARK_CONN, application_args=args, doc_md=DOCS[step],
-                               on_execute_callback=[_redis_connection, _check_deploy_mode],
+                               pre_execute=_before_spark_submit,
                                post_execute=_announce_published(step), **submit, **kwargs)
 
 

@@ -91,10 +91,9 @@ with DAG(
         from solaris_jobs.flows import training_steps as t
         from solaris_jobs.flows.run_summary import step_summary
         from solaris_jobs.core.settings import Settings
-        from solaris_jobs.flows.refresh_steps import store
-        from solaris_jobs.online.store_config import check_shared, use_airflow_connection
-        use_airflow_connection(os.environ.get("SOLARIS_REDIS_CONN_ID"))       # the online store, if on Redis
-        check_shared(store(Settings.from_env(require=False)))      # SQLite only under a single-host executor
+        from solaris_jobs.online.store_config import for_airflow_task
+        # SOLARIS_REDIS from the Airflow connection, if any; SQLite only under a single-host executor.
+        for_airflow_task(Settings.from_env(require=False), os.environ.get("SOLARIS_REDIS_CONN_ID"))
         out = t.reembed_latest()
         if "materialize" in out:
             get_current_context()["outlet_events"][ONLINE].extra = {

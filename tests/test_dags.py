@@ -113,10 +113,10 @@ def test_dag_integrity(airflow_env, monkeypatch):
     assert info["submit"] == {
         "select": {"application": str(ROOT / "spark_jobs" / "select_candidates.py"),
                    "conf": {"spark.executor.memory": "8g"}, "py_files": None, "_archives": "env.tar.gz#env",
-                   "env_vars": {"A": "1"}, "_deploy_mode": "client"},
+                   "env_vars": {"A": "1"}, "_deploy_mode": None},
         "embed": {"application": str(ROOT / "spark_jobs" / "fm_inference.py"),
                   "conf": {"spark.executor.memory": "8g", "spark.task.resource.gpu.amount": "1"}, "py_files": "fm.zip",
-                  "_archives": "env.tar.gz#env", "env_vars": {"A": "1"}, "_deploy_mode": "client"}}
+                  "_archives": "env.tar.gz#env", "env_vars": {"A": "1"}, "_deploy_mode": None}}
 
 
 def _sqlite_yaml(tmp_path: Path) -> Path:

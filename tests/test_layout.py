@@ -232,7 +232,7 @@ def solaris_commands(text: str) -> list[tuple[tuple[str, ...], list[str]]]:
     out = []
     for code in _code(text):
         code = code.split(" #")[0]
-        start = r"(?<![\w/.-])solaris"
+        start = r"(?<![\w.-])solaris"            # also .venv/bin/solaris; not solaris_jobs, not a path's part
         for m in re.finditer(start + r"((?: [a-z][a-z-]*(?:\|[a-z][a-z-]*)*)+)(.*?)(?=" + start + " |$)", code):
             words = m.group(1).split()
             flags = re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2))

@@ -491,24 +491,31 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
         owner = {int(s): j for j, a in enumerate(admin) for s in {key_slot(k.tobytes()) for k in keys}
                  if a.execute_command("CLUSTER", "COUNTKEYSINSLOT", int(s))}
         assert len(set(owner.values())) == 3
-        # Resharding after the reader mapped the cluster: one slot of the user's pairs migrates (keys and all) to
-        # another primary. The stale map sends its HMGET to the old primary, which answers MOVED: that read fails
-        # open (tier none, counted); the next maps the slots again and reads the key where it now lives.
+        # Resharding under a live reader: one slot of the user's pairs migrates (keys and all) to another primary.
+        # While it migrates, the old primary answers ASK for the keys that left: those rows are read as missing
+        # (their pair falls back to the user's aggregate), the others as before, nothing fails open.
         slot = key_slot(keys[0].tobytes())
+        in_slot = [k for k in range(len(mine)) if key_slot(keys[k].tobytes()) == slot]
         src, ids = owner[slot], [a.execute_command("CLUSTER", "MYID").decode() for a in admin]
         dst = (src + 1) % 3
         admin[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
         admin[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
         moving = admin[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
         admin[src].execute_command("MIGRATE", "127.0.0.1", cluster.nodes[dst].port, "", 0, 5000, "KEYS", *moving)
+        asked = reader.read(user, items, ML_END + HOUR)
+        assert not asked.failed_open
+        assert [t for k, t in enumerate(asked.tier_names()) if k in in_slot] == ["user_aggregate"] * len(in_slot)
+        assert [t for k, t in enumerate(asked.tier_names()) if k not in in_slot] == [
+            t for k, t in enumerate(f.tier_names()) if k not in in_slot]
+        # Once the slot is the new primary's, the old one answers MOVED: the reader maps the slots again and reads
+        # once more, the same features as before the migration, and nothing fails open.
         for a in admin:
             a.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
-        moved = reader.read(user, items, ML_END + HOUR)
-        assert moved.failed_open and set(moved.tier_names()) == {"none"}
         again = reader.read(user, items, ML_END + HOUR)
         assert not again.failed_open and again.tier_names() == f.tier_names()
         np.testing.assert_array_equal(again.embeddings, f.embeddings)
-        assert reader.metrics.snapshot()["fail_open"] == 1
+        m = reader.metrics.snapshot()
+        assert (m.get("fail_open", 0), m["cluster_remaps"], m["cluster_ask"]) == (0, 1, len(in_slot))
         reader.close()
         for a in admin:
             a.close()

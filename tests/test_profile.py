@@ -41,9 +41,9 @@ def test_the_profile_of_a_hand_made_log(tmp_path):
     assert list(p["set_aside"].values()) == [1]
     # 3 covered of the 6 rows from 02:00 on.
     assert p["pair_ceiling"]["rows_counted"] == 6 and p["pair_ceiling"]["ceiling"] == pytest.approx(0.5)
-    # Pairs in the window of refreshes 03:00, 05:00, 06:00, 08:00 (the intervals with rows from 02:00): 1, 2, 1, 1,
-    # for 2 + 2 + 1 + 1 rows logged in their intervals.
-    assert p["pair_ceiling"]["refreshes"] == 4 and p["pair_ceiling"]["pairs_per_row"] == pytest.approx(5 / 6)
+    # Pairs in the window of each refresh from 02:00 to 08:00: 2, 1, 2, 2, 1, 1, 1, for the 6 rows logged in their
+    # intervals (2 at 03:10, 2 after 05:00, 1 after 06:00, 1 after 08:00).
+    assert p["pair_ceiling"]["refreshes"] == 7 and p["pair_ceiling"]["pairs_per_row"] == pytest.approx(10 / 6)
     # Rows whose pair came in an earlier request within 24 h: 01:30, both 03:10, 05:45, 06:10, 08:30.
     assert p["pair_recurrence_24h"] == pytest.approx(6 / 9)
     # Gaps between a user's requests: user 1 85, 100, 320 min; user 2 15, 25 min.
@@ -52,7 +52,7 @@ def test_the_profile_of_a_hand_made_log(tmp_path):
     assert p["next_day_return"] is None                         # one day: no next day to return on
     assert p["labelled_share"] == pytest.approx(8 / 9) and p["positive_rate"] == pytest.approx(2 / 8)
     assert p["verdict"][0].startswith("pairs recur: up to 50% of rows")
-    assert any("0.83 FM inferences per served row" in v for v in p["verdict"])
+    assert any("1.67 FM inferences per served row" in v for v in p["verdict"])
     assert any("a small log (10 events)" in v for v in p["verdict"])
     text = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--ttl", "2h", "--window", "2h"]).output
     assert "pair-coverage ceiling (cadence 1h, TTL 2h, pool window 2h): 50.0% of 6 rows" in text
@@ -71,3 +71,24 @@ def test_a_log_whose_pairs_never_recur_says_so_and_bad_settings_are_named(tmp_pa
     assert res.exit_code == 1 and "--ttl (1h) and --window (24h) must be at least the cadence (2h)" in res.output
     res = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--cadence", "often"])
     assert res.exit_code == 1 and "--cadence: not a duration: 'often'" in res.output
+    res = CliRunner().invoke(main, ["data", "profile", str(tmp_path), "--cadence", "500ms"])
+    assert res.exit_code == 1 and "--cadence: must be a positive number of whole seconds" in res.output
+
+
+def test_the_ceiling_at_refresh_boundaries_and_at_the_ttl():
+    """A showing at a refresh's own instant is after it (embedded by the next); a row whose pair's last embedding
+    is exactly one TTL old is not covered (age < TTL)."""
+    import numpy as np
+    h = 3600 * 1_000_000
+    t0 = T.value // 1000
+    # Pair (3, 30): shown at 02:00:00, then at 05:00:00 (last embedded at 04:00, 1 h old) and 06:00:00 (shown at
+    # 05:00, embedded at 06:00). Pair (4, 40): shown at 00:10 and 02:30, then at 06:00 (last embedded at 04:00:
+    # exactly 2 h old).
+    u = np.array([3, 3, 3, 4, 4, 4])
+    i = np.array([30, 30, 30, 40, 40, 40])
+    t = t0 + np.array([2 * h, 5 * h, 6 * h, h // 6, 5 * h // 2, 6 * h])
+    got = pr.ceiling_and_budget(u, i, t, h, 2 * h, 2 * h)
+    assert got["rows_counted"] == 5                          # every row from 02:00 on
+    # Covered: (3, 30) at 05:00 and 06:00; (4, 40) at 02:30 (shown 00:10, embedded at 01:00 and 02:00). Not: (3, 30)
+    # at 02:00 (its first showing), (4, 40) at 06:00 (its 04:00 embedding is exactly one TTL old).
+    assert got["ceiling"] == pytest.approx(3 / 5)

@@ -187,11 +187,35 @@ def test_spark_submit_settings_per_step_and_the_deploy_modes_refused():
     sub.check_master("yarn")
     with pytest.raises(ValueError, match=r"standalone master \(spark://h:7077\) runs Python applications in client"):
         sub.check_master("spark://h:7077")
+    # Unset, the deploy mode is the Airflow connection's (its deploy-mode extra), checked the same way.
+    unset = Settings().spark_submit
+    unset.check_master("spark://h:7077") or unset.check_master("spark://h:7077", "client")
+    with pytest.raises(ValueError, match="standalone master"):
+        unset.check_master("spark://h:7077", "cluster")
+    with pytest.raises(ValueError, match="set SOLARIS_SPARK_SUBMIT application_root"):
+        unset.check_master("yarn", "cluster")
     for raw, message in [('{"deploy_mode": "cluster"}', "set application_root"),
                          ('{"steps": {"embedd": {}}}', r"SOLARIS_SPARK_SUBMIT \(spark_submit.steps.embedd"),
                          ('{"deploy_mode": "both"}', "SOLARIS_SPARK_SUBMIT"), ("{", "SOLARIS_SPARK_SUBMIT is not JSON")]:
         with pytest.raises(ValueError, match=message):
             Settings.from_env({"SOLARIS_SPARK_SUBMIT": raw}, require=False)
     assert Settings().spark_submit.operator_args("embed", "fm_inference.py", "/here") == {
-        "application": "/here/fm_inference.py", "conf": None, "py_files": None, "archives": None, "env_vars": None,
-        "deploy_mode": "client"}
+        "application": "/here/fm_inference.py", "conf": None, "py_files": None, "archives": None, "env_vars": None}
+
+
+def test_a_tasks_gpu_address_becomes_the_cuda_ordinal_it_names(monkeypatch):
+    """Spark's GPU address is the discovery script's; CUDA numbers the devices the process sees: under
+    CUDA_VISIBLE_DEVICES (YARN, containers; indices or UUIDs) the address's position there is the ordinal."""
+    from types import SimpleNamespace
+
+    from solaris_jobs.pipeline.model_refs import task_device
+
+    def ctx(*addresses):
+        return SimpleNamespace(resources=lambda: {"gpu": SimpleNamespace(addresses=list(addresses))})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert task_device("auto", ctx("3")) == "cuda:3" and task_device("cpu", ctx("3")) == "cpu"
+    assert task_device("auto", SimpleNamespace(resources=lambda: {})) == "auto"      # no GPU assigned: unchanged
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,3")
+    assert task_device("cuda", ctx("3", "6")) == "cuda:1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb")
+    assert task_device("auto", ctx("GPU-bb")) == "cuda:1" and task_device("auto", ctx("7")) == "cuda"

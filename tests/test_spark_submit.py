@@ -58,24 +58,28 @@ spark = spark_session("gpus", sys.argv[1], conf={"spark.executor.resource.gpu.am
                                                   "spark.task.resource.gpu.amount": "1", "spark.executor.cores": "2"})
 
 def devices(frames):
+    import time
     import pandas as pd
     from pyspark import TaskContext
     for pdf in frames:
         ctx = TaskContext.get()
+        t0 = time.time()
+        time.sleep(3)                     # long enough that the two tasks of the stage run at the same time
         yield pd.DataFrame({"part": [ctx.partitionId()], "auto": [task_device("auto")],
                             "cuda": [task_device("cuda")], "cpu": [task_device("cpu")],
-                            "assigned": [",".join(ctx.resources()["gpu"].addresses)]})
+                            "assigned": [",".join(ctx.resources()["gpu"].addresses)], "t0": [t0],
+                            "t1": [time.time()]})
 
-rows = spark.range(8, numPartitions=4).mapInPandas(devices, "part int, auto string, cuda string, cpu string, "
-                                                           "assigned string").collect()
+rows = spark.range(8, numPartitions=2).mapInPandas(devices, "part int, auto string, cuda string, cpu string, "
+                                                           "assigned string, t0 double, t1 double").collect()
 print(json.dumps([r.asDict() for r in rows]))
 """
 
 
 def test_each_task_runs_its_models_on_the_gpu_spark_assigned_it(tmp_path):
     """A standalone worker whose discovery script reports two (fake) GPUs, executors asking for both and tasks for
-    one each: every task's device is its own assigned GPU (``cuda:<address>``, not always ``cuda:0``) for
-    ``auto`` and ``cuda``, and an explicit ``cpu`` stays the CPU. Outside a task (no GPUs assigned) ``auto`` stays
+    one each: two tasks running at once each run on their own assigned GPU (``cuda:<address>``, not both on
+    ``cuda:0``) for ``auto`` and ``cuda``, and an explicit ``cpu`` stays the CPU. Outside a task (no GPUs assigned) ``auto`` stays
     ``auto`` (CUDA if present, else the CPU: the CPU path unchanged)."""
     from solaris_jobs.pipeline.model_refs import task_device
     from tests.support import SparkStandalone
@@ -84,7 +88,10 @@ def test_each_task_runs_its_models_on_the_gpu_spark_assigned_it(tmp_path):
                              timeout=300, env=cluster.env())
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
-    assert sorted(r["part"] for r in rows) == [0, 1, 2, 3]
+    assert sorted(r["part"] for r in rows) == [0, 1]
+    a, b = rows
+    assert max(a["t0"], b["t0"]) < min(a["t1"], b["t1"])                 # they ran at the same time
+    assert {a["assigned"], b["assigned"]} == {"5", "7"}                   # on one GPU each
     for r in rows:
-        assert r["assigned"] in ("5", "7") and r["auto"] == r["cuda"] == f"cuda:{r['assigned']}" and r["cpu"] == "cpu"
+        assert r["auto"] == r["cuda"] == f"cuda:{r['assigned']}" and r["cpu"] == "cpu"
     assert task_device("auto") == "auto" and task_device("cuda:3") == "cuda:3"

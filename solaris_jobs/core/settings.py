@@ -146,6 +146,12 @@ class PrecomputeConfig:
     torch_threads: int = Field(1, ge=1)
     label_delay_minutes: float = Field(30.0, ge=0)
 
+    def batch_on(self, device, users: bool = False) -> int:
+        """Rows (``users``: users) per model batch on ``device`` (a torch device: a GPU takes the GPU sizes)."""
+        gpu = getattr(device, "type", str(device)).startswith("cuda")
+        return (self.gpu_user_batch_size if gpu else self.user_batch_size) if users else (
+            self.gpu_batch_size if gpu else self.batch_size)
+
     @classmethod
     def per_user_share(cls, **kw) -> "PrecomputeConfig":
         """The per-user top share (the paper's selection, and the refresh's default before it took the evaluated
@@ -225,7 +231,8 @@ class SparkSubmitConfig:
 
     ``deploy_mode``: ``client`` (the driver runs on the Airflow worker, which must reach the cluster and the online
     store) or ``cluster`` (the driver runs on the cluster: YARN or Kubernetes; Spark's standalone master runs Python
-    drivers in client mode only, refused when the task starts). In cluster mode the driver cannot read the Airflow
+    drivers in client mode only, refused when the task starts); unset, the Airflow connection's ``deploy-mode``
+    extra decides (client without one). In cluster mode the driver cannot read the Airflow
     worker's files: ``application_root`` is where the cluster's nodes find ``spark_jobs/`` (``local:///opt/solaris/
     spark_jobs``, ``s3a://bucket/solaris/spark_jobs``), and the driver needs the online store's connection (it
     takes the interval's lease) through the cluster's own secrets, not ``env_vars``.
@@ -234,7 +241,7 @@ class SparkSubmitConfig:
     py_files: tuple[str, ...] = ()
     archives: tuple[str, ...] = ()
     env_vars: dict[str, str] = Field(default_factory=dict)
-    deploy_mode: Literal["client", "cluster"] = "client"
+    deploy_mode: Literal["client", "cluster"] | None = None
     application_root: str | None = None
     steps: dict[SparkStep, SparkSubmitStep] = Field(default_factory=dict)
 
@@ -252,14 +259,22 @@ class SparkSubmitConfig:
         joined = lambda a, b: ",".join((*a, *b)) or None       # noqa: E731
         return {"application": f"{root}/{script}", "conf": {**self.conf, **own.conf} or None,
                 "py_files": joined(self.py_files, own.py_files), "archives": joined(self.archives, own.archives),
-                "env_vars": {**self.env_vars, **own.env_vars} or None, "deploy_mode": self.deploy_mode}
+                "env_vars": {**self.env_vars, **own.env_vars} or None,
+                **({"deploy_mode": self.deploy_mode} if self.deploy_mode else {})}
 
-    def check_master(self, master: str) -> None:
-        """Raises ValueError for a deploy mode the master cannot run a Python driver in."""
-        if self.deploy_mode == "cluster" and master.startswith("spark://"):
-            raise ValueError(f"SOLARIS_SPARK_SUBMIT deploy_mode cluster: Spark's standalone master ({master}) runs "
-                             f"Python applications in client mode only; use deploy_mode client, or a YARN or "
-                             f"Kubernetes master for cluster mode")
+    def check_master(self, master: str, connection_mode: str | None = None) -> None:
+        """Raises ValueError for a deploy mode (this one, else the connection's ``connection_mode``) that the master
+        cannot run a Python driver in, or cluster mode without ``application_root``."""
+        mode = self.deploy_mode or connection_mode or "client"
+        if mode != "cluster":
+            return
+        if master.startswith("spark://"):
+            raise ValueError(f"deploy mode cluster: Spark's standalone master ({master}) runs Python applications in "
+                             f"client mode only; set SOLARIS_SPARK_SUBMIT deploy_mode client (or the Spark "
+                             f"connection's deploy-mode), or use a YARN or Kubernetes master for cluster mode")
+        if not self.application_root:
+            raise ValueError("deploy mode cluster (the Spark connection's deploy-mode) runs the driver on the cluster, "
+                             "which cannot read this worker's spark_jobs/: set SOLARIS_SPARK_SUBMIT application_root")
 
 
 # ------------------------------------------------------------------------------------------------ refresh

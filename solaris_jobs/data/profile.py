@@ -8,8 +8,9 @@ served until its TTL. The profile measures that on the log itself, with no model
   hour; a refresh at R embeds the pairs ranked in ``[R - window, R)`` and serves them until ``R + ttl``). No
   selection can serve more rows from the pair tier. Rows of the log's first ``window`` are left out (nothing
   before them);
-- **the FM budget that ceiling takes**: per refresh, the distinct pairs ranked in its window, per row logged in an
-  interval (1.0 = as many FM inferences as served rows; the evaluated default budget is 0.5);
+- **the FM budget that ceiling takes**: the distinct pairs ranked in each refresh's window, summed over the
+  refreshes, per row logged in their intervals (1.0 = as many FM inferences as served rows; the evaluated default
+  budget is 0.5);
 - **24 h pair recurrence**: rows whose pair was ranked for the user in an earlier request of the previous 24 h;
 - **gaps between a user's requests** (a request: a ``request_id``, else a distinct time), **next-day return**
   (of the users active on a day, the share active the next day), **labels** (labelled share, positive rate);
@@ -48,8 +49,8 @@ def _duration_us(text: str, name: str) -> int:
         d = pd.Timedelta(text)
     except ValueError as e:
         raise ValueError(f"{name}: not a duration: {text!r} (e.g. 1h, 30min, 24h)") from e
-    if d <= pd.Timedelta(0):
-        raise ValueError(f"{name}: must be positive, got {text!r}")
+    if d < pd.Timedelta(seconds=1) or d % pd.Timedelta(seconds=1):
+        raise ValueError(f"{name}: must be a positive number of whole seconds, got {text!r}")
     return int(d.value // 1000)
 
 
@@ -101,11 +102,13 @@ def ceiling_and_budget(u: np.ndarray, i: np.ndarray, t_us: np.ndarray, cadence_u
     np.add.at(diff, np.minimum(k_to, n_ref + 1), -1)
     pool = np.cumsum(diff)[:n_ref]                                # pairs in each refresh's window (index k: R_k)
     rows_per = np.bincount((t - origin) // cadence_us, minlength=n_ref)[:n_ref]
-    k_counted = np.arange(n_ref) * cadence_us >= window_us
-    steady = k_counted & (rows_per > 0)
+    # Every refresh from the window on costs its pool, whether or not rows follow it in its own interval (a pair it
+    # embeds may serve rows of the next intervals, within the TTL): FM inferences over the rows of those intervals.
+    steady = np.arange(n_ref) * cadence_us >= window_us
+    rows = int(rows_per[steady].sum())
     return {"rows_counted": int(counted.sum()),
             "ceiling": float(covered[counted].mean()) if counted.any() else None,
-            "pairs_per_row": float(pool[steady].sum() / rows_per[steady].sum()) if steady.any() else None,
+            "pairs_per_row": float(pool[steady].sum() / rows) if rows else None,
             "refreshes": int(steady.sum())}
 
 

@@ -32,7 +32,7 @@ STEP_OUTPUT = dict(zip(SPARK_STEPS, OUTPUTS))           # the offline dataset ea
 def store(s: Settings):
     """The online store the settings' Feast repo names."""
     from solaris_jobs.online import store_config
-    return store_config.load(s.feature_repo, timeout_s=s.store_timeout_seconds)
+    return store_config.of_settings(s)
 
 
 def validate(s: Settings, start, end, *, events=None, clock=None) -> dict:

@@ -153,7 +153,7 @@ def materialize(cfg: StoreConfig, offline: str, end, view_names=None, expire_fro
         always_check: compare every key's stored event time even when no later interval was materialized
             (when something else also writes these views).
         timeout_s: how long one Redis reply may take before the write is given up (None: the store's
-            ``timeout_s``, the ``store_timeout_seconds`` setting).
+            ``timeout_s``, or ``writer.WRITE_TIMEOUT_S`` if longer).
 
     Returns:
         Stats per view: rows read, written, skipped (a newer row is stored), expired, rejected by reason, seconds.

@@ -132,7 +132,7 @@ def drain_misses(cfg: StoreConfig, offline: str | Path, chunk: int = 100_000) ->
     Entries are deleted from the stream only after their file is written; a crash in between only duplicates
     misses (harmless: they are a set of pairs to force in).
     """
-    client = redis_client(cfg)
+    client = redis_client(cfg, timeout_s=max(cfg.timeout_s, 30.0))      # a read of up to `chunk` entries
     from solaris_jobs.core.offline import misses_uri
     stream, folder = miss_stream(cfg.project), misses_uri(offline)
     moved = files = 0

@@ -150,6 +150,7 @@ class FeatureReader:
         self._local = threading.local()
         self._states: list[_Connections] = []
         self._lock = threading.Lock()
+        self._slots_epoch = 0             # bumped when a read meets a moved cluster slot: every thread maps again
         self._ts = _Timestamps()
         self._ttl = {n: v.ttl.total_seconds() for n, v in self.views.items()}
         if misses == "auto":
@@ -235,19 +236,34 @@ class FeatureReader:
 
     def _cluster(self) -> tuple[list, np.ndarray]:
         """This thread's raw connections to every primary of the cluster, each with its reply parser, and the slot
-        -> primary map as the cluster said when they were opened. A slot that moved since answers MOVED: the read
-        fails open and drops them, and the next read maps the slots again."""
+        -> primary map as the cluster said when they were opened (again when another thread saw a slot move)."""
         own = self._own
+        if own.nodes is not None and own.slots_epoch != self._slots_epoch:
+            own.drop()
         if own.nodes is None:
             import hiredis
+            own.slots_epoch = self._slots_epoch
             own.client = redis_client(self.cfg, timeout_s=self.budget_ms / 1000.0)
-            subs, own.node_of_slot = cluster_primaries(own.client, self.cfg, timeout_s=self.budget_ms / 1000.0)
-            own.nodes = [(open_raw(c), hiredis.Reader(), c) for c in subs]
+            subs, own.node_of_slot = cluster_primaries(own.client, self.cfg, timeout_s=self.budget_ms / 1000.0)[1:]
+            own.nodes = []
+            try:
+                for c in subs:
+                    own.nodes.append((open_raw(c), hiredis.Reader(), c))
+            except Exception:
+                for c in subs:
+                    c.close()
+                own.drop()
+                raise
         return own.nodes, own.node_of_slot
 
-    def _read_cluster(self, ukey: bytes, pkeys: np.ndarray) -> list:
+    def _read_cluster(self, ukey: bytes, pkeys: np.ndarray, remap: bool = True) -> list:
         """Redis Cluster: each primary gets one buffer of the HMGETs of its keys (the user's hash on its own
-        primary), all sent before any reply is read: one round trip per primary, in parallel, as on one node."""
+        primary), all sent before any reply is read: one round trip per primary, in parallel, as on one node.
+
+        Resharding: a slot that moved answers MOVED; every thread's map is then stale (one shared epoch), this one
+        maps the slots again and reads once more (counted ``cluster_remaps``; a second MOVED fails the read open).
+        A slot being migrated answers ASK for keys that already left: those rows are read as missing this once
+        (counted ``cluster_ask``), as the migration is moving them. Any other error reply fails the read open."""
         from redis.crc import key_slot
         nodes, of_slot = self._cluster()
         u_node, p_node = int(of_slot[key_slot(ukey)]), of_slot[key_slots(pkeys)]
@@ -260,12 +276,29 @@ class FeatureReader:
         out = [None] * (1 + len(pkeys))
         for j, idx in sent:
             raw, reader, _ = nodes[j]
-            got = self._replies(raw.sock, reader, len(idx) + (u_node == j))
+            got = self._replies(raw.sock, reader, len(idx) + (u_node == j), raise_errors=False)
             if u_node == j:
                 out[0], got = got[0], got[1:]
             for k, r in zip(idx.tolist(), got):
                 out[1 + k] = r
-        return out
+        errors = [r for r in out if isinstance(r, Exception)]
+        if not errors:
+            return out
+        kinds = {str(e).split(" ", 1)[0] for e in errors}
+        own = self._own
+        if kinds == {"MOVED"} or kinds == {"MOVED", "ASK"}:
+            if not remap:
+                raise errors[0]
+            with self._lock:
+                self._slots_epoch += 1
+            own.counts["cluster_remaps"] += 1
+            own.drop()
+            return self._read_cluster(ukey, pkeys, remap=False)
+        if kinds == {"ASK"}:
+            own.counts["cluster_ask"] += len(errors)
+            absent = [[None] * len(self._user_fields)] + [[None] * len(self._pair_fields)] * len(pkeys)
+            return [a if isinstance(r, Exception) else r for r, a in zip(out, absent)]
+        raise next(e for e in errors if not str(e).startswith(("MOVED", "ASK")))
 
     def _hmgets(self, ukey: bytes | None, pkeys: np.ndarray) -> bytes:
         """One buffer: HMGET of the user's hash (the user views served; None: not on this node), then one HMGET per
@@ -288,8 +321,9 @@ class FeatureReader:
         return self._replies(sock, self._own.reader, 1 + len(pkeys))
 
     @staticmethod
-    def _replies(sock, reader, need: int) -> list:
-        """The next ``need`` replies on ``sock``, parsed by hiredis; an error reply (e.g. MOVED) raises."""
+    def _replies(sock, reader, need: int, raise_errors: bool = True) -> list:
+        """The next ``need`` replies on ``sock``, parsed by hiredis; an error reply raises (``raise_errors``) or is
+        returned in its place."""
         replies = []
         while True:
             # Every complete reply buffered, parsed in C. gets() returns False when none is complete; an HMGET reply
@@ -301,7 +335,7 @@ class FeatureReader:
             if not data:
                 raise ConnectionError("redis closed the connection")
             reader.feed(data)
-        if any(map(isinstance, replies, repeat(Exception))):
+        if raise_errors and any(map(isinstance, replies, repeat(Exception))):
             raise next(r for r in replies if isinstance(r, Exception))
         return replies
 
@@ -374,6 +408,10 @@ class FeatureReader:
                 self._reset()
                 logger.warning("feature read failed open (tier none for %d rows; store skipped for %.1fs): %r",
                                n, self.cooldown_s, e)
+            own = self._own
+            if own.counts:                          # what the read met on the way (a cluster remap, ASK replies)
+                c.update(own.counts)
+                own.counts.clear()
         for t, k in enumerate(np.bincount(tiers, minlength=len(TIERS)).tolist()):
             c[f"tier_{TIERS[t]}"] += k
         if self.misses is not None and n:
@@ -472,10 +510,11 @@ class FeatureReader:
 
 
 class _Connections:
-    """One thread's connections to the store."""
+    """One thread's connections to the store, and its counts of what its reads met (merged into the metrics)."""
 
     def __init__(self):
         self.raw = self.reader = self.client = self.sqlite = self.nodes = self.node_of_slot = None
+        self.slots_epoch, self.counts = -1, Counter()
 
     def drop(self) -> None:
         for c in (self.raw, self.client, self.sqlite, *(c for n in self.nodes or () for c in (n[0], n[2]))):

@@ -117,9 +117,7 @@ def check(cfg: StoreConfig) -> None:
         return
     import redis
     for host, port in cfg.nodes:
-        node = StoreConfig("redis", cfg.project, cfg.repo, cfg.yaml_path, nodes=((host, port),),
-                           redis_params=cfg.redis_params, timeout_s=cfg.timeout_s)
-        client = redis_client(node)
+        client = redis_client(node_config(cfg, host, port))
         try:
             client.ping()
         except redis.RedisError as e:
@@ -137,6 +135,21 @@ def unavailable_message(cfg: StoreConfig | None, e: BaseException, node: str | N
     return (f"{store}{f' node {node}' if node and len(cfg.nodes) > 1 else ''} {what}{waited}: "
             f"{type(e).__name__}: {str(e).rstrip('.')}. Check that Redis is running, not paused, and reachable from this host"
             f"{named}; {settings.env_var('store_timeout_seconds')} sets how long a call may wait")
+
+
+def of_settings(s: "settings.Settings") -> StoreConfig:
+    """The online store the settings' Feast repo names, with the settings' store timeout."""
+    return load(s.feature_repo, timeout_s=s.store_timeout_seconds)
+
+
+def for_airflow_task(s: "settings.Settings", conn_id: str | None) -> StoreConfig:
+    """What an Airflow task runs before it touches the online store: the Redis connection variable from the Airflow connection
+    ``conn_id`` (when one is configured), and the store refused if it is SQLite under an executor of several hosts
+    (``check_shared``)."""
+    use_airflow_connection(conn_id)
+    cfg = of_settings(s)
+    check_shared(cfg)
+    return cfg
 
 
 # Airflow executors whose tasks all run on the scheduler's host: an SQLite online store (and its lease) is shared.
@@ -164,7 +177,7 @@ def check_shared(cfg: StoreConfig, executor: str | None = None) -> None:
                          f"Airflow's {', '.join(shared)} runs tasks on several: their features and interval leases "
                          f"would not meet. Point every worker at one Redis: FEAST_FS_YAML_FILE_PATH="
                          f"feature_store.redis.yaml (or feature_store.redis_cluster.yaml) and {settings.REDIS_ENV} "
-                         f"(or SOLARIS_REDIS_CONN_ID)")
+                         f"(or {settings.REDIS_CONN_ENV})")
 
 
 def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | None = None,
@@ -211,23 +224,23 @@ def load(repo: str | os.PathLike | None = None, yaml_path: str | os.PathLike | N
     raise ValueError(f"{yaml_path}: online store type {kind!r} is not supported (sqlite or redis)")
 
 
-def cluster_primaries(cluster, cfg: StoreConfig, timeout_s: float | None = None):
-    """The primaries of a Redis Cluster as the cluster client ``cluster`` maps them now: (a client of each primary,
-    ``cfg``'s parameters and ``timeout_s``; the primary of each of the 16384 slots as an index into them). What the
-    raw cluster writer and the serving reader pipeline on, one connection per primary."""
+def node_config(cfg: StoreConfig, host: str, port: int) -> StoreConfig:
+    """The store config of one node of ``cfg`` (a cluster's primary, or a startup node): its parameters, one node."""
     import dataclasses
+    return dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),))
 
+
+def cluster_primaries(cluster, cfg: StoreConfig, timeout_s: float | None = None):
+    """The primaries of a Redis Cluster as the cluster client ``cluster`` maps them now: (their ``host:port`` names,
+    a client of each, ``cfg``'s parameters and ``timeout_s``; the primary of each of the 16384 slots as an index
+    into them). What the raw cluster writer and the serving reader pipeline on, one connection per primary."""
     import numpy as np
     slots = cluster.nodes_manager.slots_cache
     index, of_slot = {}, np.zeros(16384, np.int64)
     for slot in range(16384):
         of_slot[slot] = index.setdefault(slots[slot][0].name, len(index))
-    clients = []
-    for name in index:
-        host, port = name.rsplit(":", 1)
-        clients.append(redis_client(dataclasses.replace(cfg, redis_type="redis", nodes=((host, int(port)),)),
-                                    timeout_s))
-    return clients, of_slot
+    names = list(index)
+    return names, [redis_client(node_config(cfg, *n.rsplit(":", 1)), timeout_s) for n in names], of_slot
 
 
 def redis_client(cfg: StoreConfig, timeout_s: float | None = None, **overrides):

@@ -30,7 +30,7 @@ def keys_per_view(cfg: StoreConfig, scan_limit: int = 1_000_000) -> dict:
             return out
         finally:
             conn.close()
-    client = redis_client(cfg)
+    client = redis_client(cfg, timeout_s=max(cfg.timeout_s, 30.0))      # SCANs of a large keyspace
     fields = [ff.ts_field(n) for n in names]
     counts, scanned = dict.fromkeys(names, 0), 0
     suffix = cfg.project.encode()

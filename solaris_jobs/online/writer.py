@@ -180,20 +180,25 @@ class OnlineWriter(ABC):
         self.close()
 
 
+# How long a bulk write may wait for one reply at least: a pipelined batch of 50,000 rows, a Redis busy forking for
+# a snapshot; reads and checks wait the store's own timeout (``store_timeout_seconds``).
+WRITE_TIMEOUT_S = 60.0
+
+
 def open_writer(cfg: StoreConfig, timeout_s: float | None = None) -> OnlineWriter:
     """The writer of the configured store: Redis, Redis Cluster or SQLite.
 
     Args:
         timeout_s: how long one Redis reply may take before the write is given up (None: the store's
-            ``timeout_s``, the ``store_timeout_seconds`` setting).
+            ``timeout_s``, the ``store_timeout_seconds`` setting, or ``WRITE_TIMEOUT_S`` if longer).
 
     Raises:
         redis.RedisError: Redis could not be reached.
     """
     if cfg.kind != "redis":
         return SqliteWriter(cfg.sqlite_path, cfg.project)
-    if timeout_s is not None:
-        cfg = dataclasses.replace(cfg, timeout_s=timeout_s)
+    cfg = dataclasses.replace(cfg, timeout_s=timeout_s if timeout_s is not None else max(cfg.timeout_s,
+                                                                                         WRITE_TIMEOUT_S))
     client = redis_client(cfg)
     try:
         if cfg.redis_type == "redis_cluster":
@@ -375,9 +380,7 @@ class ClusterWriter(_RedisStore):
 
     def __init__(self, client, cfg: StoreConfig):
         self.client, self.project, self._fields = client, cfg.project, {}
-        subs, self.node_of_slot = cluster_primaries(client, cfg)
-        self.names = [f"{c.connection_pool.connection_kwargs['host']}:{c.connection_pool.connection_kwargs['port']}"
-                      for c in subs]
+        self.names, subs, self.node_of_slot = cluster_primaries(client, cfg)
         self.writers: dict[str, RedisWriter] = {n: RedisWriter(c) for n, c in zip(self.names, subs)}
 
     def write(self, view: View, enc: Encoded, ts_seconds: int, ts_nanos: int, expire_at_ms: int,

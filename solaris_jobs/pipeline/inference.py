@@ -103,7 +103,7 @@ def embed_pairs(user_pairs, models: ModelSet, cutoff, cfg: PrecomputeConfig):
         from models import batch_to_tensors
         fm, _, dev = load(fm_ref, task_device(device), threads)
         ae, _, _ = load(ae_ref, task_device(device), threads)
-        batch_size = cfg.gpu_batch_size if dev.type == "cuda" else cfg.batch_size
+        batch_size = cfg.batch_on(dev)
         # Mixed precision only on a GPU and only where the FM declares it safe (``FoundationModel.mixed_precision``).
         amp = getattr(fm, "mixed_precision", None) if dev.type == "cuda" else None
         for pdf in frames:
@@ -150,7 +150,7 @@ def embed_users(users_with_history, fm: ModelRef, cutoff, cfg: PrecomputeConfig,
         from models import batch_to_tensors
         model, _, dev = load(fm, task_device(device), threads)
         coder = load(ae, task_device(device), threads)[0] if ae is not None else None
-        batch_size = cfg.gpu_user_batch_size if dev.type == "cuda" else cfg.user_batch_size
+        batch_size = cfg.batch_on(dev, users=True)
         coder = coder if coder is not None and coder.user is not None else None     # an AE without a user coder
         for pdf in frames:
             for s in range(0, len(pdf), batch_size):

@@ -9,6 +9,7 @@ The embedding version a run stamps is ``<fm version>+<ae version>``: a code mean
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,10 +71,14 @@ def resolve_device(name: str = "auto"):
 
 def task_device(name: str = "auto", context=None) -> str:
     """The device a Spark task runs its models on: with ``auto`` or ``cuda`` and GPUs that Spark assigned to this task
-    (``spark.task.resource.gpu.amount`` with a discovery script on the workers), the task's first GPU,
-    ``cuda:<address>``, so that tasks sharing an executor's GPUs each use their own; otherwise ``name`` as it is
-    (``resolve_device`` then picks CUDA or the CPU). ``context``: the task's ``TaskContext`` (default: the current
-    one; none outside a task)."""
+    (``spark.task.resource.gpu.amount`` with a discovery script on the workers), the task's first GPU, so that tasks
+    sharing an executor's GPUs each use their own; otherwise ``name`` as it is (``resolve_device`` then picks CUDA or
+    the CPU). ``context``: the task's ``TaskContext`` (default: the current one; none outside a task).
+
+    Spark's address is what the discovery script reported; CUDA numbers the devices this process sees. Where
+    ``CUDA_VISIBLE_DEVICES`` is set (YARN and some container runtimes set it to the assigned GPUs, by index or
+    UUID), the address's position in it is the CUDA ordinal; else a numeric address is the ordinal; an address
+    that maps to neither is logged and the default CUDA device used."""
     if name not in ("auto", "cuda"):
         return name
     if context is None:
@@ -83,9 +88,17 @@ def task_device(name: str = "auto", context=None) -> str:
             return name
         context = TaskContext.get()
     gpus = context.resources().get("gpu") if context is not None else None
-    if gpus is not None and gpus.addresses:
-        return f"cuda:{gpus.addresses[0]}"
-    return name
+    if gpus is None or not gpus.addresses:
+        return name
+    addr = str(gpus.addresses[0]).strip()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if addr in visible:
+        return f"cuda:{visible.index(addr)}"
+    if addr.isdigit() and not visible:
+        return f"cuda:{addr}"
+    logging.getLogger(__name__).warning("Spark assigned GPU %r, which CUDA_VISIBLE_DEVICES=%r does not name: using "
+                                        "the default CUDA device", addr, ",".join(visible))
+    return "cuda"
 
 
 def check_ae_of_fm(fm_meta: dict, ae_meta: dict, fm_path, ae_path) -> None:

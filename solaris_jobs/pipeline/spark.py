@@ -46,7 +46,7 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
     # Python workers must run the interpreter that has the project's packages.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if loopback_only(master):
+    if loopback_only(master or (conf or {}).get("spark.master")):
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 

@@ -29,7 +29,7 @@ def score_pairs(pairs, vm: ModelRef, cfg: PrecomputeConfig):
 
         from models import batch_to_tensors
         model, _, dev = load(vm, task_device(device), threads)
-        batch_size = cfg.gpu_batch_size if dev.type == "cuda" else cfg.batch_size
+        batch_size = cfg.batch_on(dev)
         for cols in batches:
             arrays = [c.to_numpy(np.int64 if k < 2 else np.float32) for k, c in enumerate(cols)]
             scores = np.empty(len(arrays[0]), np.float32)
