@@ -366,8 +366,14 @@ class _removed_on_failure:
         return False
 
 
+# Rows per parquet row group of a table written outside Spark: Spark splits its reads by row group, so a table of
+# millions of users (user_embeddings: 2M x ~180 values) is read by many tasks of bounded memory, not a few huge ones.
+ROW_GROUP_ROWS = 65_536
+
+
 def stage_table(table: pa.Table, offline, dataset: str, end) -> Staged:
-    """``stage`` for an Arrow table or pandas frame made outside Spark (one parquet file, microsecond times)."""
+    """``stage`` for an Arrow table or pandas frame made outside Spark (one parquet file in row groups of
+    ``ROW_GROUP_ROWS``, microsecond times)."""
     import pyarrow.parquet as pq
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pandas(table, preserve_index=False)
@@ -376,7 +382,7 @@ def stage_table(table: pa.Table, offline, dataset: str, end) -> Staged:
     with _removed_on_failure(staged):
         fs.create_dir(path, recursive=True)
         pq.write_table(table, f"{path}/part-00000.parquet", filesystem=fs, coerce_timestamps="us",
-                       allow_truncated_timestamps=True)
+                       allow_truncated_timestamps=True, row_group_size=ROW_GROUP_ROWS)
         with fs.open_output_stream(f"{path}/_SUCCESS"):
             pass
     return staged
