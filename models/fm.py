@@ -107,6 +107,27 @@ class FoundationModel(nn.Module):
         return {"logit": self.label_head(h).squeeze(-1), "rating": 1.0 + 4.0 * torch.sigmoid(
             self.rating_head(h).squeeze(-1)), "h": h}
 
+    # The FM protocol (models.protocol): output widths, history length, item vectors.
+    @property
+    def width(self) -> int:
+        return self.cfg.d_interaction
+
+    @property
+    def user_width(self) -> int:
+        return 2 * self.cfg.d_model
+
+    @property
+    def item_width(self) -> int:
+        return self.cfg.d_model
+
+    @property
+    def history_len(self) -> int:
+        return self.cfg.history_len
+
+    def item_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """(N, d_model): the items' embeddings (id and side features)."""
+        return self.items(ids)
+
     def user_embedding(self, b: dict) -> torch.Tensor:
         """(B, 2 * d_model): L2-normalised [mean encoded history, user vector], no target item."""
         enc, pad = self.encode_history(b)

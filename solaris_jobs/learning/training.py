@@ -357,7 +357,7 @@ def fm_user_vectors(fm: FoundationModel, examples: Examples, batch_size: int = 1
     fm.eval()
     device = next(fm.parameters()).device
     got = [fm.user_embedding(batch_to_tensors(b, device)).float().cpu().numpy() for b in examples.batches(batch_size)]
-    return np.concatenate(got) if got else np.zeros((0, 2 * fm.cfg.d_model), np.float32)
+    return np.concatenate(got) if got else np.zeros((0, fm.user_width), np.float32)
 
 
 def _fit_coder(coder, params, x_train: torch.Tensor, x_valid: torch.Tensor, cfg: TrainConfig, name: str):
@@ -395,7 +395,7 @@ def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConf
     h_train = torch.from_numpy(fm_outputs(fm, data.train)["h"])
     h_test = torch.from_numpy(fm_outputs(fm, data.test)["h"])
     h_valid = torch.from_numpy(fm_outputs(fm, data.valid)["h"])
-    ae = Autoencoder(AEConfig(d_in=h_train.shape[1], d_code=d_code, d_user=2 * fm.cfg.d_model))
+    ae = Autoencoder(AEConfig(d_in=fm.width, d_code=d_code, d_user=fm.user_width))
     t0 = time.perf_counter()
     pair_params = [p for n, p in ae.named_parameters() if not n.startswith("user.")]
     history = _fit_coder(ae, pair_params, h_train, h_valid, cfg, "ae")

@@ -174,9 +174,9 @@ def item_vectors(fm: ModelRef, item_ids: np.ndarray, batch: int = 65_536) -> tup
     import torch
     ids = np.unique(np.asarray(item_ids, np.int64))
     model, _, _ = load(fm, "cpu", None)            # the driver's torch threads stay as they are
-    out = np.zeros((len(ids), model.cfg.d_model), np.float32)
+    out = np.zeros((len(ids), model.item_width), np.float32)
     with torch.inference_mode():
         for s in range(0, len(ids), batch):
-            v = model.items(torch.as_tensor(ids[s: s + batch]))
+            v = model.item_embedding(torch.as_tensor(ids[s: s + batch]))
             out[s: s + batch] = torch.nn.functional.normalize(v.float(), dim=-1).numpy()
     return ids, out

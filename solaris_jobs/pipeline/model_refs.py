@@ -128,17 +128,35 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     Raises:
         FileNotFoundError: a checkpoint is missing.
         ValueError: the autoencoder was trained on another FM, or ``history_len`` is not the FM's.
+        models.protocol.FMRefused: the FM breaks the FM protocol on a probe batch (``check_fm``), before the run
+            writes anything.
     """
     folder = Path(str(models).removeprefix("file://")).resolve()
     refs, metas = {}, {}
     for kind in kinds:
         refs[kind], metas[kind] = _ref(folder, kind)
+    if "fm" in refs:
+        _check_fm_once(refs["fm"])
     if "ae" in refs and "fm" in refs:
         check_ae_of_fm(metas["fm"], metas["ae"], refs["fm"].path, refs["ae"].path)
     out = ModelSet(**refs)
     if out.fm is not None:
         out.check_history_len(history_len)
     return out
+
+
+_CHECKED: set = set()        # (path, version) of FMs that passed the protocol's check in this process
+
+
+def _check_fm_once(ref: ModelRef) -> None:
+    """``models.protocol.check_fm`` on the FM of ``ref``, once per version per process (on the CPU)."""
+    if (ref.path, ref.version) in _CHECKED:
+        return
+    from models import load_checkpoint
+    from models.protocol import check_fm
+    fm, _ = load_checkpoint(ref.path, kind="fm")
+    check_fm(fm.eval(), ref.path)
+    _CHECKED.add((ref.path, ref.version))
 
 
 def load(ref: ModelRef, device: str = "auto", threads: int | None = 1):
