@@ -74,13 +74,16 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from models import AEConfig, Autoencoder, FMConfig, FoundationModel
+    from models import AEConfig, Autoencoder
+    from models.checkpoint import FM_FAMILIES
     from solaris_jobs.core.settings import PrecomputeConfig, TrainSettings
     from solaris_jobs.learning.training import fm_model_args
     torch.manual_seed(0)
     ts, pc = TrainSettings(), PrecomputeConfig()
-    fm = FoundationModel(FMConfig(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items},
-                                  history_len=ts.history_len, **fm_model_args(ts))).eval()
+    fam = fm_model_args(ts)
+    config_cls, model_cls = FM_FAMILIES[fam.pop("family")]
+    fm = model_cls(config_cls(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items},
+                              history_len=ts.history_len, **fam)).eval()
     ae = Autoencoder(AEConfig(d_in=fm.cfg.d_interaction, d_code=ts.d_code)).eval()
     data = inputs(args.users, args.pairs_per_user, args.items, ts.history_len)
     torch.set_num_threads(os.cpu_count())

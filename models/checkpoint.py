@@ -16,6 +16,7 @@ import torch
 
 from models.autoencoder import AEConfig, Autoencoder
 from models.fm import FMConfig, FoundationModel
+from models.gru4rec import GRU4RecFM, GRUConfig
 from models.vm import VMConfig, VerticalModel
 
 FORMAT = 1          # bump when what a checkpoint holds changes; only this format is read
@@ -26,13 +27,23 @@ class CheckpointError(ValueError):
 
 
 KINDS = {"fm": (FMConfig, FoundationModel), "ae": (AEConfig, Autoencoder), "vm": (VMConfig, VerticalModel)}
+# The FM families this code builds, by the name a checkpoint records (a name, never a module path: reading a
+# checkpoint must not import code it names).
+FM_FAMILIES = {"transformer": (FMConfig, FoundationModel), "gru4rec": (GRUConfig, GRU4RecFM)}
 
 
 def _kind_of(model) -> str:
+    if fm_family_of(model) is not None:
+        return "fm"
     for kind, (_, cls) in KINDS.items():
         if isinstance(model, cls):
             return kind
     raise TypeError(f"not a SOLARIS model: {type(model).__name__}")
+
+
+def fm_family_of(model) -> str | None:
+    """The family name of an FM of this code (None: not one)."""
+    return next((name for name, (_, cls) in FM_FAMILIES.items() if type(model) is cls), None)
 
 
 def model_version(model) -> str:
@@ -51,6 +62,8 @@ def save_checkpoint(model, path: str | os.PathLike, extra: dict | None = None) -
     plain = json.loads(json.dumps(extra or {}, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
     state = {"format": FORMAT, "kind": _kind_of(model), "config": asdict(model.cfg), "model_version": version,
              "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "extra": plain}
+    if state["kind"] == "fm":
+        state["family"] = fm_family_of(model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -94,6 +107,12 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", kind: str | Non
     if kind is not None and state["kind"] != kind:
         raise CheckpointError(f"{path}: holds a {state['kind']!r} model, expected {kind!r}")
     cfg_cls, model_cls = KINDS[state["kind"]]
+    if state["kind"] == "fm":
+        family = state.get("family", "transformer")         # checkpoints before #41 hold the transformer FM
+        if family not in FM_FAMILIES:
+            raise CheckpointError(f"{path}: FM family {family!r} is unknown to this code (it builds "
+                                  f"{sorted(FM_FAMILIES)})")
+        cfg_cls, model_cls = FM_FAMILIES[family]
     cfg = dict(state["config"])
     if "hidden" in cfg:
         cfg["hidden"] = tuple(cfg["hidden"])

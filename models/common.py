@@ -99,3 +99,14 @@ def recency_features(b: dict) -> torch.Tensor:
         else:
             cols.append(torch.log1p(v.clamp(min=0.0)) / 3.0)
     return torch.stack(cols, -1)
+
+
+def fm_loss(out: dict, b: dict, rating_weight: float) -> torch.Tensor:
+    """An FM's training loss: BCE on known labels plus ``rating_weight`` x MSE on known ratings (scaled to 0-1)."""
+    import torch.nn.functional as F
+    known = b["label"] >= 0
+    loss = F.binary_cross_entropy_with_logits(out["logit"][known], b["label"][known])
+    rated = b["rating"] > 0
+    if rated.any():
+        loss = loss + rating_weight * F.mse_loss(out["rating"][rated] / 5, b["rating"][rated] / 5)
+    return loss

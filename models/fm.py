@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common import SideEmbedding, counter_features
+from models.common import SideEmbedding, counter_features, fm_loss
 from solaris_jobs.core.contract import N_GAP_BUCKETS, N_SIGNALS
 
 
@@ -134,10 +134,4 @@ class FoundationModel(nn.Module):
         return F.normalize(torch.cat([self._mean(enc, pad), self.users(b["user"])], -1), dim=-1)
 
     def loss(self, out: dict, b: dict) -> torch.Tensor:
-        """BCE on known labels plus ``rating_weight`` x MSE on known ratings (scaled to 0-1)."""
-        known = b["label"] >= 0
-        bce = F.binary_cross_entropy_with_logits(out["logit"][known], b["label"][known])
-        rated = b["rating"] > 0
-        if rated.any():
-            bce = bce + self.cfg.rating_weight * F.mse_loss(out["rating"][rated] / 5, b["rating"][rated] / 5)
-        return bce
+        return fm_loss(out, b, self.cfg.rating_weight)

@@ -84,6 +84,8 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
         == {"epochs": m.fm_epochs, "history_len": m.history_len, "batch_size": m.batch_size, "d_model": m.d_model,
             "n_layers": m.n_layers, "d_interaction": m.d_interaction, "d_code": m.d_code, "fm_lr": m.fm_lr,
             "fm_weight_decay": m.fm_weight_decay, "fm_dropout": m.fm_dropout, "fm_target_user": m.fm_target_user}
+    # The evaluation's FM is the transformer family (ModelsConfig has no other): so is the product's default.
+    assert t.fm_family == "transformer"
     searched = fm_search.committed()
     if searched is not None:
         assert fm_search.recipe_of(ModelsConfig()) == searched["chosen"]
@@ -141,7 +143,7 @@ def test_training_settings_are_typed_with_their_defaults_and_errors_name_the_set
         "d_code": 32, "max_train_rows": None, "seed": 0, "served_hours": 24, "served_every": "1h",
         "fm_lr": st.TrainSettings().fm_lr, "fm_weight_decay": st.TrainSettings().fm_weight_decay,
         "fm_dropout": st.TrainSettings().fm_dropout, "fm_target_user": st.TrainSettings().fm_target_user,
-        "ae_epochs": 1, "verifier_epochs": 6, "verifier_patience": 2}
+        "ae_epochs": 1, "verifier_epochs": 6, "verifier_patience": 2, "fm_family": "transformer"}
     got = st.train_settings({"SOLARIS_TRAIN": '{"epochs": 1, "served_every": "30min", "served_hours": 12}'})
     assert (got.epochs, got.served_every, got.served_hours, got.history_len) == (1, "30min", 12, 50)
     for raw, message in [('{"epochs": 0}', r"SOLARIS_TRAIN \(epochs\): Input should be greater than or equal to 1"),

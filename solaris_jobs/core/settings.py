@@ -577,6 +577,9 @@ class TrainSettings:
     fm_weight_decay: float = Field(1e-2, ge=0, description="The FM's weight decay (AdamW).")
     fm_dropout: float = Field(0.1, ge=0, lt=1, description="The FM's dropout.")
     fm_target_user: bool = Field(True, description="The FM trunk's target x user product.")
+    fm_family: Literal["transformer", "gru4rec"] = Field(
+        "transformer", description="The FM's family: transformer (the evaluated one) or gru4rec (a recurrent one, "
+                                   "models/gru4rec.py).")
     ae_epochs: int = Field(1, ge=1, description="The autoencoder's epochs.")
     verifier_epochs: int = Field(6, ge=1, description="The verifier's maximum epochs (early stopping on valid BCE).")
     verifier_patience: int = Field(2, ge=1, description="The verifier's early-stopping patience (epochs).")

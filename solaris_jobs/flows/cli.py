@@ -143,6 +143,11 @@ def _train_field(flag: str, field: str):
     default = getattr(TrainSettings(), field)
     if isinstance(default, bool):
         return click.option(f"{flag}/--no-{flag[2:]}", field, default=default, help=describe(field, TrainSettings))
+    if isinstance(default, str):
+        from typing import get_args
+        choices = get_args(TrainSettings.__pydantic_fields__[field].annotation)
+        return click.option(flag, field, default=default, type=click.Choice(choices) if choices else str,
+                            help=describe(field, TrainSettings))
     return click.option(flag, field, default=default, type=float if isinstance(default, float) else int,
                         help=describe(field, TrainSettings))
 
@@ -165,7 +170,7 @@ def _train_options(f):
 
 # ``solaris train fm`` names the FM's recipe fields without their prefix.
 FLAG_OF = {"fm_lr": "--lr", "fm_weight_decay": "--weight-decay", "fm_dropout": "--dropout",
-           "fm_target_user": "--target-user"}
+           "fm_target_user": "--target-user", "fm_family": "--family"}
 
 
 def _train_run(kw: dict):
@@ -203,6 +208,7 @@ def train() -> None:
 @_train_field("--weight-decay", "fm_weight_decay")
 @_train_field("--dropout", "fm_dropout")
 @_train_field("--target-user", "fm_target_user")
+@_train_field("--family", "fm_family")
 def train_fm(out, **kw):
     """Train the foundation model (sequence model with target attention, label and rating heads); the recipe's
     defaults are the evaluated ones."""

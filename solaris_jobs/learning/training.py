@@ -56,9 +56,9 @@ class TrainConfig:
 
 
 def fm_model_args(ts: TrainSettings) -> dict:
-    """The FM's ``FMConfig`` fields of the training settings: its widths and the recipe's dropout and trunk."""
-    return {"d_model": ts.d_model, "n_layers": ts.layers, "d_interaction": ts.d_interaction, "dropout": ts.fm_dropout,
-            "target_user": ts.fm_target_user}
+    """The FM's family and config fields of the training settings: its widths and the recipe's dropout and trunk."""
+    return {"family": ts.fm_family, "d_model": ts.d_model, "n_layers": ts.layers, "d_interaction": ts.d_interaction,
+            "dropout": ts.fm_dropout, "target_user": ts.fm_target_user}
 
 
 def train_as_product(kind: str, data: "Dataset", out: str | Path, ts: TrainSettings, cfg: TrainConfig | None = None,
@@ -299,12 +299,17 @@ def _split_info(data: Dataset) -> dict:
             "valid_from": to_iso(data.cuts[0]), "test_from": to_iso(data.cuts[1])}
 
 
-def build_fm(data: Dataset, cfg: TrainConfig, **model_args) -> FoundationModel:
-    """A freshly initialised FM for ``data`` (seeded by ``cfg.seed``, on ``cfg.device``); ``model_args``: the other
-    ``FMConfig`` fields (widths, dropout, target_user)."""
+def build_fm(data: Dataset, cfg: TrainConfig, family: str = "transformer", **model_args):
+    """A freshly initialised FM of ``family`` (``models.checkpoint.FM_FAMILIES``) for ``data`` (seeded by
+    ``cfg.seed``, on ``cfg.device``); ``model_args``: the other fields of its config (widths, dropout,
+    target_user)."""
+    from models.checkpoint import FM_FAMILIES
+    if family not in FM_FAMILIES:
+        raise ValueError(f"unknown FM family {family!r}: {sorted(FM_FAMILIES)}")
+    config_cls, model_cls = FM_FAMILIES[family]
     _seed(cfg.seed)
-    model = FoundationModel(FMConfig(user_side=data.user_side, item_side=data.item_side,
-                                     history_len=cfg.history_len, **model_args))
+    model = model_cls(config_cls(user_side=data.user_side, item_side=data.item_side, history_len=cfg.history_len,
+                                 **model_args))
     model.users.set_tables(*data.tables["user"])
     model.items.set_tables(*data.tables["item"])
     return model.to(resolve_device(cfg.device))
