@@ -50,10 +50,11 @@ def test_our_fm_keeps_the_protocol_and_a_broken_one_is_refused_naming_the_check(
         model_refs.resolve(tmp_path, ("fm",))
 
 
-def test_a_second_fm_family_trains_through_the_product_path_and_passes_the_checks(synth_root, tmp_path):
+def test_a_second_fm_family_through_the_whole_pipeline(synth_root, spark, tmp_path, monkeypatch):
     """The recurrent family (models/gru4rec.py, no model code shared with ours) is trained by the product's path
-    (`solaris train fm --family gru4rec`, as the training DAG does), saved and loaded back as itself, and the
-    autoencoder and a run's model resolution take it as they take ours."""
+    (`solaris train fm --family gru4rec`, as the training DAG does), saved and loaded back as itself; then, with
+    no change to any of them: the autoencoder and the verifier, one refresh interval (select, embed, aggregate,
+    neighbours), materialize, and reads through FeatureReader and the stock Feast SDK."""
     from click.testing import CliRunner
 
     from models import load_checkpoint
@@ -61,21 +62,54 @@ def test_a_second_fm_family_trains_through_the_product_path_and_passes_the_check
     from solaris_jobs.core.settings import TrainSettings
     from solaris_jobs.flows.cli import main
     from solaris_jobs.learning import training
-    res = CliRunner().invoke(main, ["train", "fm", "--data", str(synth_root), "--out", str(tmp_path / "fm.pt"),
+    models = tmp_path / "models"
+    res = CliRunner().invoke(main, ["train", "fm", "--data", str(synth_root), "--out", str(models / "fm.pt"),
                                     "--family", "gru4rec", "--epochs", "1", "--history-len", "10", "--d-model", "16",
                                     "--layers", "1", "--d-interaction", "32", "--max-train-rows", "20000"])
     assert res.exit_code == 0, res.output
-    fm, meta = load_checkpoint(tmp_path / "fm.pt", kind="fm")
+    fm, meta = load_checkpoint(models / "fm.pt", kind="fm")
     assert type(fm) is GRU4RecFM and meta["family"] == "gru4rec" and meta["model_version"].startswith("fm-")
     assert isinstance(fm, FMProtocol) and (fm.width, fm.user_width, fm.history_len) == (32, 32, 10)
     check_fm(fm, "gru4rec")
     ts = TrainSettings(fm_family="gru4rec", history_len=10, d_model=16, layers=1, d_interaction=32, d_code=8,
                        max_train_rows=20_000)
     data = training.load_dataset(str(synth_root), 10, max_train_rows=20_000)
-    ae = training.train_as_product("ae", data, tmp_path / "ae.pt", ts, fm_path=tmp_path / "fm.pt")
+    ae = training.train_as_product("ae", data, models / "ae.pt", ts, fm_path=models / "fm.pt")
     assert ae["fm_version"] == meta["model_version"] and ae["test_explained_variance"] > 0.5
-    training.train_as_product("verifier", data, tmp_path / "vm.pt", ts)
-    refs = model_refs.resolve(tmp_path)
+    training.train_as_product("verifier", data, models / "vm.pt", ts)
+    refs = model_refs.resolve(models)
     assert refs.fm.version == meta["model_version"] and refs.history_len == 10
     with pytest.raises(ValueError, match="unknown FM family 'rnn'"):
         training.build_fm(data, training.TrainConfig(), family="rnn")
+
+    # One refresh interval with it, then the store and both readers.
+    import numpy as np
+    import pandas as pd
+
+    from solaris_jobs.core import offline as layout
+    from solaris_jobs.core.settings import Settings
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.materialize import materialize
+    from solaris_jobs.online.reader import FeatureReader
+    from solaris_jobs.pipeline import jobs
+    from tests.support import feast_yaml
+    from tests.test_online_store import _feast
+    start, end = pd.Timestamp("2026-01-07T12:00:00Z"), pd.Timestamp("2026-01-07T13:00:00Z")
+    s = Settings(data=str(synth_root), offline=str(tmp_path / "offline"), models=str(models))
+    stats = jobs.run(spark, s, start, end)
+    assert stats["embed"]["pairs"] > 0 and stats["embed"]["model_version"] == refs.embedding_version
+    assert stats["neighbours"]["users_with_state"] > 0 and stats["neighbours"]["users_rejected"] == 0
+    cfg = store_config.load(None, feast_yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {tmp_path / 'o.db'}"))
+    st = materialize(cfg, s.offline, end, expire_from="write")
+    assert st["views"]["pair_embeddings"]["written"] == stats["embed"]["pairs"]
+    pairs = layout.read_table(s.offline, "pair_embeddings", end).to_pandas()
+    user = int(pairs.user_id.value_counts().index[0])
+    mine = pairs[pairs.user_id == user]
+    with FeatureReader(cfg, refs.embedding_version, 8, misses=None, tiers=()) as reader:
+        f = reader.read(user, mine.item_id.to_numpy(), end + pd.Timedelta(minutes=5))
+    assert f.tier_names() == ["pair"] * len(mine)
+    np.testing.assert_array_equal(f.embeddings, np.stack(mine.embedding))
+    fs = _feast(cfg.yaml_path, s.offline, monkeypatch)
+    got = fs.get_online_features(features=["pair_embeddings:embedding"], entity_rows=[
+        {"user_id": user, "item_id": int(i)} for i in mine.item_id]).to_dict()["embedding"]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.stack(mine.embedding))
