@@ -46,13 +46,14 @@ def fm_family_of(model) -> str | None:
     return next((name for name, (_, cls) in FM_FAMILIES.items() if type(model) is cls), None)
 
 
-def model_version(model) -> str:
-    """``<kind>-<first 12 hex of sha256 of the weights>``: equal weights, equal version."""
+def model_version(model, kind: str | None = None) -> str:
+    """``<kind>-<first 12 hex of sha256 of the weights>``: equal weights, equal version (``kind``: of a model that
+    is not one of this code's classes, such as a user's FM)."""
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().numpy().tobytes())
-    return f"{_kind_of(model)}-{h.hexdigest()[:12]}"
+    return f"{kind or _kind_of(model)}-{h.hexdigest()[:12]}"
 
 
 def save_checkpoint(model, path: str | os.PathLike, extra: dict | None = None) -> str:

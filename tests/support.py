@@ -461,3 +461,31 @@ def processes_with_env(key: str, value: str) -> list[int]:
         if want in env and "zombie" not in state:
             out.append(int(d.name))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ a user's own FM
+
+def save_user_fm(model, path) -> None:
+    """Writes an FM the way a user's own code might: a plain ``torch.save`` of its config and weights, not a SOLARIS
+    checkpoint (no kind, format or version)."""
+    import dataclasses
+
+    import torch
+    torch.save({"config": dataclasses.asdict(model.cfg), "weights": model.state_dict(),
+                "trained_until": "2026-01-07T00:00:00+00:00"}, path)
+
+
+def user_fm(path, map_location="cpu"):
+    """The factory of that user's FM (``tests.support:user_fm``): builds it from the plain file, as it is; it keeps
+    ``models.protocol`` (the recurrent family's class, wrapped, so that it is none of SOLARIS's own classes)."""
+    import torch
+
+    from models.gru4rec import GRU4RecFM, GRUConfig
+
+    class UserFM(GRU4RecFM):
+        pass
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    model = UserFM(GRUConfig(**state["config"]))
+    model.load_state_dict(state["weights"])
+    model.trained_until = state["trained_until"]
+    return model.to(map_location)

@@ -113,3 +113,36 @@ def test_a_second_fm_family_through_the_whole_pipeline(synth_root, spark, tmp_pa
     got = fs.get_online_features(features=["pair_embeddings:embedding"], entity_rows=[
         {"user_id": user, "item_id": int(i)} for i in mine.item_id]).to_dict()["embedding"]
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.stack(mine.embedding))
+
+
+def test_a_users_own_fm_by_its_factory(synth_root, tmp_path):
+    """An FM in the user's own file format, named by ``package.module:factory`` (the settings' ``fm_factory``): a
+    run resolves it as it is (its version the hash of its weights, its declared training end kept), checks it,
+    loads it where the models run, and the autoencoder trains on it; a factory that does not resolve is named."""
+    from models.gru4rec import GRU4RecFM, GRUConfig
+    from solaris_jobs.core.settings import Settings, TrainSettings
+    from solaris_jobs.learning import training
+    from tests.support import save_user_fm
+    torch.manual_seed(0)
+    models = tmp_path / "models"
+    models.mkdir()
+    data = training.load_dataset(str(synth_root), 10, max_train_rows=5_000)
+    fm = GRU4RecFM(GRUConfig(user_side=data.user_side, item_side=data.item_side, history_len=10, d_model=8,
+                             d_interaction=16))
+    fm.users.set_tables(*data.tables["user"])
+    fm.items.set_tables(*data.tables["item"])
+    save_user_fm(fm, models / "fm.pt")
+    s = Settings(models=str(models), fm_factory="tests.support:user_fm")
+    refs = model_refs.of_settings(s, ("fm",))
+    assert refs.fm.factory == "tests.support:user_fm" and refs.history_len == 10
+    assert refs.fm.version == model_refs.of_settings(s, ("fm",)).fm.version          # stable: a hash of the weights
+    loaded, meta, _ = model_refs.load(refs.fm, "cpu", None)
+    assert type(loaded).__name__ == "UserFM" and meta["extra"]["trained_until"] == "2026-01-07T00:00:00+00:00"
+    ts = TrainSettings(history_len=10, d_code=4, max_train_rows=5_000)
+    ae = training.train_as_product("ae", data, models / "ae.pt", ts, fm_path=models / "fm.pt",
+                                   fm_factory="tests.support:user_fm")
+    assert ae["fm_version"] == refs.fm.version
+    with pytest.raises(ValueError, match=r"FM factory 'tests.support:no_such' does not resolve"):
+        model_refs.of_settings(Settings(models=str(models), fm_factory="tests.support:no_such"), ("fm",))
+    with pytest.raises(ValueError, match="SOLARIS_FM_FACTORY"):
+        Settings.from_env({"SOLARIS_FM_FACTORY": "not a spec"}, require=False)

@@ -302,6 +302,9 @@ class Settings:
         lease_minutes: how long a run's lease of its interval lasts unless a step renews it
             (``solaris_jobs.online.lease``); as long as a DAG run may last (its 6 h ``dagrun_timeout``).
         spark_submit: how the refresh DAG's spark-submit runs the Spark steps (``SparkSubmitConfig``).
+        fm_factory: ``package.module:factory`` when ``models``' fm.pt is a user's own FM (``factory(path,
+            map_location)`` builds it, keeping ``models.protocol``; importable on the driver and every executor);
+            None: a SOLARIS checkpoint (either family).
         store_timeout_seconds: how long the refresh's and the operator commands' calls to a Redis online store
             (connect, a reply, a write's reply) may wait before the command fails with a message naming the store
             (the serving reader has its own ``budget_ms``).
@@ -324,6 +327,7 @@ class Settings:
     lease_minutes: float = Field(360.0, gt=0)
     store_timeout_seconds: float = Field(10.0, gt=0, le=3600)
     spark_submit: SparkSubmitConfig = Field(default_factory=SparkSubmitConfig)
+    fm_factory: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
 
     @field_validator("log_level", "spark_log_level", mode="before")
     @classmethod
@@ -426,6 +430,7 @@ ENV = {  # variable -> Settings field
     "SOLARIS_LEASE_MINUTES": "lease_minutes",
     "SOLARIS_STORE_TIMEOUT_SECONDS": "store_timeout_seconds",
     "SOLARIS_SPARK_SUBMIT": "spark_submit",
+    "SOLARIS_FM_FACTORY": "fm_factory",
 }
 JSON_FIELDS = ("precompute", "spark_submit")         # given as JSON in their variables
 _VAR = {name: var for var, name in ENV.items()}

@@ -221,14 +221,16 @@ def train_fm(out, **kw):
 @_train_options
 @click.option("--lr", default=2e-3, help="Learning rate.")
 @click.option("--fm", "fm_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--fm-factory", default=None, help="package.module:factory building the FM from --fm when it is your "
+                                                 "own (default: a SOLARIS checkpoint).")
 @_train_field("--d-code", "d_code")
 @_train_field("--ae-epochs", "ae_epochs")
-def train_ae(out, fm_path, **kw):
+def train_ae(out, fm_path, fm_factory, **kw):
     """Train the autoencoder on the FM's interaction embeddings (``--ae-epochs``, the evaluated recipe; not
     ``--epochs``); report reconstruction error."""
     from solaris_jobs.learning import training
     ts, cfg, data = _train_run(kw)
-    _echo_json(_summary(training.train_as_product("ae", data, out, ts, cfg, fm_path)))
+    _echo_json(_summary(training.train_as_product("ae", data, out, ts, cfg, fm_path, fm_factory)))
 
 
 @train.command("vm")

@@ -107,7 +107,7 @@ def report(s: Settings, start, end, *, events=None, clock=None) -> dict:
     source = event_source(events, s.data)
     ev = source.table(start, end, columns=["user_id", "item_id", "event_timestamp", "label", "request_id"])
     cfg = store(s)
-    models = model_refs.resolve(s.models, ("fm", "ae"), s.precompute.history_len)
+    models = model_refs.of_settings(s, ("fm", "ae"))
     stored = materialized_intervals(cfg)
     latest = max(stored) if stored else None
     server = Server(ev, cfg, models.embedding_version, int(models.ae.config["d_code"]), env=None)

@@ -62,11 +62,12 @@ def fm_model_args(ts: TrainSettings) -> dict:
 
 
 def train_as_product(kind: str, data: "Dataset", out: str | Path, ts: TrainSettings, cfg: TrainConfig | None = None,
-                     fm_path: str | Path | None = None) -> dict:
+                     fm_path: str | Path | None = None, fm_factory: str | None = None) -> dict:
     """Trains ``kind`` (``fm``, ``ae`` or ``verifier``) with the product's recipe of the training settings ``ts``:
     the evaluated one at the defaults (the FM's learning rate, weight decay, dropout and trunk; the autoencoder's
     epochs; the verifier's epochs and patience). ``cfg``: the shared trainer settings (default
-    ``TrainConfig.of(ts)``); ``fm_path``: the FM the autoencoder codes (``ae`` only). The training DAG,
+    ``TrainConfig.of(ts)``); ``fm_path``: the FM the autoencoder codes (``ae`` only; ``fm_factory``: its
+    ``package.module:factory`` when it is a user's own). The training DAG,
     ``solaris train``, the MovieLens experiment and the scale benchmark all train through here."""
     from dataclasses import replace
     cfg = cfg or TrainConfig.of(ts)
@@ -75,7 +76,8 @@ def train_as_product(kind: str, data: "Dataset", out: str | Path, ts: TrainSetti
     if kind == "ae":
         if fm_path is None:
             raise ValueError("the autoencoder needs the FM it codes (fm_path)")
-        return train_ae(data, fm_path, out, replace(cfg, epochs=ts.ae_epochs), d_code=ts.d_code)
+        return train_ae(data, fm_path, out, replace(cfg, epochs=ts.ae_epochs), d_code=ts.d_code,
+                        fm_factory=fm_factory)
     if kind == "verifier":
         return train_verifier(data, out, replace(cfg, epochs=ts.verifier_epochs, patience=ts.verifier_patience))
     raise ValueError(f"unknown model kind {kind!r}: fm, ae or verifier")
@@ -392,11 +394,13 @@ def _fit_coder(coder, params, x_train: torch.Tensor, x_valid: torch.Tensor, cfg:
 
 
 def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
-             d_code: int = 32, user_rows: int = 50_000) -> dict:
+             d_code: int = 32, user_rows: int = 50_000, fm_factory: str | None = None) -> dict:
     """Trains the autoencoder on the FM's h over the training split, and its user coder on the FM's user
-    embeddings of (at most ``user_rows``) training rows; reports explained variance of each on test."""
+    embeddings of (at most ``user_rows``) training rows; reports explained variance of each on test.
+    ``fm_factory``: the FM's ``package.module:factory`` when it is a user's own (``model_refs.load_fm``)."""
+    from solaris_jobs.pipeline.model_refs import load_fm
     _seed(cfg.seed)
-    fm, fm_meta = load_checkpoint(fm_path, kind="fm")
+    fm, fm_meta = load_fm(fm_path, fm_factory)
     h_train = torch.from_numpy(fm_outputs(fm, data.train)["h"])
     h_test = torch.from_numpy(fm_outputs(fm, data.test)["h"])
     h_valid = torch.from_numpy(fm_outputs(fm, data.valid)["h"])

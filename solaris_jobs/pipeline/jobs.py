@@ -59,7 +59,7 @@ def embed(spark, s: Settings, start, end, *, events=None, models=None, clock=Non
     t0 = time.perf_counter()
     _, T = interval(start, end)
     if models is None or models.fm is None or models.ae is None:
-        models = model_refs.resolve(s.models, ("fm", "ae"), s.precompute.history_len)
+        models = model_refs.of_settings(s, ("fm", "ae"))
     cfg = with_history_len(s, models)
     version = models.embedding_version
     selected = off.read_interval(spark, s.offline, "selection", T).where("selected").select("user_id", "item_id")
@@ -189,8 +189,7 @@ def run(spark, s: Settings, start, end, steps=SPARK_STEPS, *, events=None, model
     start, end = interval(start, end)
     if models is None:
         kinds = ({"vm"} if "select" in steps else set()) | ({"fm", "ae"} if "embed" in steps else set())
-        models = model_refs.resolve(s.models, [k for k in model_refs.KINDS if k in kinds],
-                                    s.precompute.history_len) if kinds else None
+        models = model_refs.of_settings(s, [k for k in model_refs.KINDS if k in kinds]) if kinds else None
     if events is not None:
         events = event_source(events)
     return {st: JOBS[st](spark, s, start, end, events=events, models=models, clock=clock) for st in steps}

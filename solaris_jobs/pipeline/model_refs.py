@@ -26,6 +26,7 @@ class ModelRef:
     path: str                   # resolved (no links), absolute
     version: str
     config: dict
+    factory: str | None = None  # an FM's ``package.module:factory`` (None: a SOLARIS checkpoint)
 
 
 @dataclass(frozen=True)
@@ -109,21 +110,66 @@ def check_ae_of_fm(fm_meta: dict, ae_meta: dict, fm_path, ae_path) -> None:
                          f"retrain it, or point the models folder at a matching pair")
 
 
-def _ref(folder: Path, kind: str) -> tuple[ModelRef, dict]:
+def factory_of(spec: str):
+    """The callable a ``package.module:factory`` spec names (an FM of the user's own: ``factory(path,
+    map_location) -> model`` keeping ``models.protocol``); raises ValueError naming the spec when it does not
+    resolve."""
+    import importlib
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"FM factory {spec!r}: expected package.module:factory")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"FM factory {spec!r} does not resolve ({e}): it must be importable here and on every "
+                         f"executor") from e
+    if not callable(fn):
+        raise ValueError(f"FM factory {spec!r} is not callable")
+    return fn
+
+
+def load_fm(path, factory: str | None = None, map_location="cpu"):
+    """An FM and its checkpoint meta: a SOLARIS checkpoint (``factory`` None), or whatever ``factory`` builds from the
+    file at ``path`` (a user's FM as it is: its version is the hash of its weights, its config its history length,
+    its declared training end ``trained_until`` if it has one)."""
+    from models import load_checkpoint
+    if factory is None:
+        return load_checkpoint(path, map_location=map_location, kind="fm")
+    from models.checkpoint import model_version
+    model = factory_of(factory)(str(path), map_location)
+    model.eval()
+    until = getattr(model, "trained_until", None)
+    meta = {"kind": "fm", "family": factory, "model_version": model_version(model, kind="fm"),
+            "config": {"history_len": int(model.history_len)},
+            "extra": {"factory": factory, "trained_until": None if until is None else str(until)}}
+    return model, meta
+
+
+def _ref(folder: Path, kind: str, factory: str | None = None) -> tuple[ModelRef, dict]:
     from models import load_checkpoint
     path = folder / f"{kind}.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no {kind.upper()} checkpoint (train one with `solaris train {kind}`)")
+    if kind == "fm":
+        _, meta = load_fm(path, factory)
+        return ModelRef(kind, str(path), meta["model_version"], dict(meta["config"]), factory), meta
     _, meta = load_checkpoint(path, kind=kind)
     return ModelRef(kind, str(path), meta["model_version"], dict(meta["config"])), meta
 
 
-def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = None) -> ModelSet:
+def of_settings(s, kinds=KINDS) -> ModelSet:
+    """``resolve`` of the settings' models folder, history length and FM factory."""
+    return resolve(s.models, kinds, s.precompute.history_len, fm_factory=s.fm_factory)
+
+
+def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = None,
+            fm_factory: str | None = None) -> ModelSet:
     """Resolves the checkpoints of ``kinds`` in the folder ``models`` once, and checks them.
 
     Args:
         models: folder with fm.pt, ae.pt, vm.pt (links are followed now, once).
         history_len: the run's FM history length (None: the FM's).
+        fm_factory: the FM's ``package.module:factory`` when fm.pt is a user's own FM (None: a SOLARIS checkpoint).
 
     Raises:
         FileNotFoundError: a checkpoint is missing.
@@ -134,7 +180,7 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     folder = Path(str(models).removeprefix("file://")).resolve()
     refs, metas = {}, {}
     for kind in kinds:
-        refs[kind], metas[kind] = _ref(folder, kind)
+        refs[kind], metas[kind] = _ref(folder, kind, fm_factory if kind == "fm" else None)
     if "fm" in refs:
         _check_fm_once(refs["fm"])
     if "ae" in refs and "fm" in refs:
@@ -152,9 +198,8 @@ def _check_fm_once(ref: ModelRef) -> None:
     """``models.protocol.check_fm`` on the FM of ``ref``, once per version per process (on the CPU)."""
     if (ref.path, ref.version) in _CHECKED:
         return
-    from models import load_checkpoint
     from models.protocol import check_fm
-    fm, _ = load_checkpoint(ref.path, kind="fm")
+    fm, _ = load_fm(ref.path, ref.factory)
     check_fm(fm.eval(), ref.path)
     _CHECKED.add((ref.path, ref.version))
 
@@ -178,7 +223,8 @@ def load(ref: ModelRef, device: str = "auto", threads: int | None = 1):
         if threads is not None:
             torch.set_num_threads(threads)
         dev = resolve_device(device)
-        model, meta = load_checkpoint(ref.path, map_location=dev, kind=ref.kind)
+        model, meta = load_fm(ref.path, ref.factory, dev) if ref.kind == "fm" else \
+            load_checkpoint(ref.path, map_location=dev, kind=ref.kind)
         if meta["model_version"] != ref.version:
             raise RuntimeError(f"{ref.path} now holds {meta['model_version']}, not {ref.version} that this run "
                                f"resolved and stamps: the file was replaced during the run; rerun the interval")

@@ -104,7 +104,8 @@ def _state_history_len(s: Settings, models) -> int | None:
     ``settings.models`` (None: no FM there, or another history length than configured; no state then, and embed
     reads the log)."""
     try:
-        fm = models if models is not None and models.fm is not None else model_refs.resolve(s.models, ("fm",))
+        fm = models if models is not None and models.fm is not None else model_refs.resolve(
+            s.models, ("fm",), fm_factory=s.fm_factory)
         return fm.check_history_len(s.precompute.history_len)
     except (FileNotFoundError, ValueError) as e:
         logger.warning("no FM history length (%s): the interval's state is left to embed", e)

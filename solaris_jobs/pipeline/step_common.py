@@ -46,7 +46,7 @@ def models_of_interval(s: Settings, end: pd.Timestamp) -> model_refs.ModelSet:
     stats = off.read_stats(s.offline, "pair_embeddings", end) or {}
     if "models" in stats:
         return model_refs.ModelSet.from_dict(stats["models"])
-    return model_refs.resolve(s.models, ("fm", "ae"), s.precompute.history_len)
+    return model_refs.of_settings(s, ("fm", "ae"))
 
 
 def with_history_len(s: Settings, models: model_refs.ModelSet) -> PrecomputeConfig:
