@@ -84,7 +84,7 @@ def main() -> None:
     config_cls, model_cls = FM_FAMILIES[fam.pop("family")]
     fm = model_cls(config_cls(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items},
                               history_len=ts.history_len, **fam)).eval()
-    ae = Autoencoder(AEConfig(d_in=fm.cfg.d_interaction, d_code=ts.d_code)).eval()
+    ae = Autoencoder(AEConfig(d_in=fm.width, d_code=ts.d_code)).eval()
     data = inputs(args.users, args.pairs_per_user, args.items, ts.history_len)
     torch.set_num_threads(os.cpu_count())
     ref_rate, ref = run(fm, ae, data, "cpu", pc.batch_size, False, args.repeats)

@@ -42,8 +42,8 @@ def _kind_of(model) -> str:
 
 
 def fm_family_of(model) -> str | None:
-    """The family name of an FM of this code (None: not one)."""
-    return next((name for name, (_, cls) in FM_FAMILIES.items() if type(model) is cls), None)
+    """The family name of an FM of this code, a subclass included (None: not one)."""
+    return next((name for name, (_, cls) in FM_FAMILIES.items() if isinstance(model, cls)), None)
 
 
 def model_version(model, kind: str | None = None) -> str:
@@ -52,7 +52,7 @@ def model_version(model, kind: str | None = None) -> str:
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())   # any dtype
     return f"{kind or _kind_of(model)}-{h.hexdigest()[:12]}"
 
 

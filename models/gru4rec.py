@@ -71,13 +71,22 @@ class GRU4RecFM(nn.Module):
         return self.items(ids)
 
     def summarise(self, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last state, mean state over the real events), each (B, d), of the batch's histories (B, L)."""
+        """(last state, mean state over the real events), each (B, d), of the batch's histories (B, L), which are
+        left-padded, oldest first. The GRU runs over each history's real events only (packed), so the padding
+        before them changes nothing; an empty history runs one zero step (the "no history" state)."""
         items = b["hist_item"]
-        real = (items > 0).unsqueeze(-1).float()                        # left padding carries nothing
-        x = (self.items(items) + self.signal(b["hist_signal"]) + self.gap(b["hist_gap"])) * real
-        states, _ = self.gru(x)                                         # (B, L, d); the newest event last
-        mean = (states * real).sum(1) / real.sum(1).clamp(min=1.0)
-        return states[:, -1], mean
+        B, L = items.shape
+        real = items > 0
+        lengths = real.sum(1)
+        x = (self.items(items) + self.signal(b["hist_signal"]) + self.gap(b["hist_gap"])) * real.unsqueeze(-1)
+        # Left-aligned: row i's events at 0 .. len-1 (the oldest first), zeros after.
+        idx = (torch.arange(L, device=items.device) + (L - lengths).unsqueeze(1)) % L
+        x = x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.clamp(min=1).cpu(), batch_first=True,
+                                                   enforce_sorted=False)
+        out, last = self.gru(packed)
+        states, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=L)   # zeros past the end
+        return last[-1], states.sum(1) / lengths.clamp(min=1).unsqueeze(-1).to(states.dtype)
 
     def forward(self, b: dict, rows: torch.Tensor | None = None) -> dict:
         """``logit`` (B,), ``rating`` (B,), ``h`` (B, d_interaction); ``rows`` as ``FoundationModel.forward``."""

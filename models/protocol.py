@@ -77,28 +77,41 @@ def check_fm(fm, name: str) -> None:
         FMRefused: an attribute is missing, or an output has the wrong shape or width, or is not finite; the message
             names ``name`` (the FM's checkpoint) and the check.
     """
-    missing = [a for a in ("width", "user_width", "item_width", "history_len") if not isinstance(
-        getattr(fm, a, None), int)]
-    if missing or not isinstance(fm, FMProtocol):
-        raise FMRefused(f"{name}: not an FM of the protocol (models.protocol): missing "
-                        f"{missing or 'forward, user_embedding or item_embedding'}")
-    dev = next(fm.parameters()).device
-    b, rows, ub = probe_batch(fm.history_len)
+    import numbers
+    missing = [a for a in ("width", "user_width", "item_width", "history_len")
+               if not isinstance(getattr(fm, a, None), numbers.Integral)]
+    missing += [a for a in ("mixed_precision",) if not hasattr(fm, a)]
+    missing += [m for m in ("forward", "user_embedding", "item_embedding") if not callable(getattr(fm, m, None))]
+    if missing:
+        raise FMRefused(f"{name}: not an FM of the protocol (models.protocol): missing or not an integer: "
+                        f"{', '.join(missing)}")
+    dev = next(iter(fm.parameters()), torch.empty(0)).device
+    b, rows, ub = probe_batch(int(fm.history_len))
     b, rows, ub = {k: v.to(dev) for k, v in b.items()}, rows.to(dev), {k: v.to(dev) for k, v in ub.items()}
     hist = {k: v[rows] for k, v in b.items() if k.startswith("hist_")}
+    calls = {"forward(rows=...)": lambda: fm(b, rows=rows), "forward": lambda: fm({**b, **hist}),
+             "user_embedding": lambda: fm.user_embedding(ub), "item_embedding": lambda: fm.item_embedding(b["item"])}
+    got = {}
     with torch.inference_mode():
-        shared = fm(b, rows=rows)
-        repeated = fm({**b, **hist})
-        outputs = {"forward h": (shared.get("h"), (len(rows), fm.width)),
-                   "forward logit": (shared.get("logit"), (len(rows),)),
-                   "user_embedding": (fm.user_embedding(ub), (len(ub["user"]), fm.user_width)),
-                   "item_embedding": (fm.item_embedding(b["item"]), (len(b["item"]), fm.item_width))}
+        for what, call in calls.items():
+            try:
+                got[what] = call()
+            except Exception as e:                  # any failure on the probe is the FM's, named
+                raise FMRefused(f"{name}: {what} raised {type(e).__name__}: {e} on a probe batch") from e
+    shared, repeated = got["forward(rows=...)"], got["forward"]
+    if not isinstance(shared, dict) or not isinstance(repeated, dict):
+        raise FMRefused(f"{name}: forward returned {type(shared).__name__}, not a dict with logit and h")
+    outputs = {"forward h": (shared.get("h"), (len(rows), fm.width)),
+               "forward logit": (shared.get("logit"), (len(rows),)),
+               "user_embedding": (got["user_embedding"], (len(ub["user"]), fm.user_width)),
+               "item_embedding": (got["item_embedding"], (len(b["item"]), fm.item_width))}
     for what, (out, shape) in outputs.items():
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise FMRefused(f"{name}: {what} has shape {got}, not {shape} (the FM's declared widths)")
         if not torch.isfinite(out.float()).all():
             raise FMRefused(f"{name}: {what} is not finite on a probe batch (NaN or infinity)")
-    if not torch.allclose(shared["h"].float(), repeated["h"].float(), rtol=1e-4, atol=1e-5):
+    if not all(isinstance(repeated.get(k), torch.Tensor) and repeated[k].shape == shared[k].shape
+               and torch.allclose(shared[k].float(), repeated[k].float(), rtol=1e-4, atol=1e-5) for k in ("h", "logit")):
         raise FMRefused(f"{name}: forward(rows=...) differs from the batch with each row's history repeated: the "
                         f"shared-history path must give the same outputs")

@@ -35,10 +35,15 @@ def test_our_fm_keeps_the_protocol_and_a_broken_one_is_refused_naming_the_check(
         def forward(self, b, rows=None):
             return {}
 
+    class Raising(FoundationModel):                    # fails on its own inputs
+        def item_embedding(self, ids):
+            raise IndexError("index 3 is out of bounds")
+
     cfg = _fm().cfg
     for model, message in [(Narrow(cfg).eval(), r"forward h has shape \(6, 16\), not \(6, 32\)"),
                            (Leaky(cfg).eval(), r"forward\(rows=...\) differs"),
-                           (Headless(), "not an FM of the protocol")]:
+                           (Raising(cfg).eval(), r"item_embedding raised IndexError: index 3 is out of bounds"),
+                           (Headless(), "not an FM of the protocol.*: user_embedding, item_embedding")]:
         with pytest.raises(FMRefused, match=r"^probe\.pt: " + message):
             check_fm(model, "probe.pt")
     # A checkpoint whose outputs are not finite is refused when a run resolves its models, before anything runs.
@@ -48,6 +53,15 @@ def test_our_fm_keeps_the_protocol_and_a_broken_one_is_refused_naming_the_check(
     save_checkpoint(bad, tmp_path / "fm.pt")
     with pytest.raises(FMRefused, match=r"fm\.pt: forward h is not finite on a probe batch"):
         model_refs.resolve(tmp_path, ("fm",))
+    # A checkpoint written before FM families (no family recorded) is the transformer; an unknown family is refused.
+    from models import load_checkpoint
+    from models.checkpoint import CheckpointError
+    state = torch.load(tmp_path / "fm.pt", weights_only=True)
+    for family, path in ((None, tmp_path / "old.pt"), ("rnn", tmp_path / "rnn.pt")):
+        torch.save({k: v for k, v in state.items() if k != "family"} | ({"family": family} if family else {}), path)
+    assert type(load_checkpoint(tmp_path / "old.pt", kind="fm")[0]) is FoundationModel
+    with pytest.raises(CheckpointError, match=r"rnn.pt: FM family 'rnn' is unknown"):
+        load_checkpoint(tmp_path / "rnn.pt", kind="fm")
 
 
 def test_a_second_fm_family_through_the_whole_pipeline(synth_root, spark, tmp_path, monkeypatch):
@@ -146,3 +160,25 @@ def test_a_users_own_fm_by_its_factory(synth_root, tmp_path):
         model_refs.of_settings(Settings(models=str(models), fm_factory="tests.support:no_such"), ("fm",))
     with pytest.raises(ValueError, match="SOLARIS_FM_FACTORY"):
         Settings.from_env({"SOLARIS_FM_FACTORY": "not a spec"}, require=False)
+
+
+def test_the_recurrent_fm_reads_only_real_events_newest_last():
+    """The GRU family's summary of a history: the padding in front of it changes nothing (the same weights read a
+    history padded to 5 and to 3 alike), the newest event is the last one read, and an empty history has a state."""
+    from models.gru4rec import GRU4RecFM, GRUConfig
+    torch.manual_seed(0)
+    fm = GRU4RecFM(GRUConfig(user_side={"n_ids": 5}, item_side={"n_ids": 9}, history_len=5, d_model=8,
+                             d_interaction=16)).eval()
+
+    def summary(items):
+        t = torch.tensor([items])
+        return fm.summarise({"hist_item": t, "hist_signal": (t > 0).long(), "hist_gap": (t > 0).long()})
+    with torch.no_grad():
+        long_last, long_mean = summary([0, 0, 0, 3, 4])
+        short_last, short_mean = summary([0, 3, 4])
+        assert torch.allclose(long_last, short_last, atol=1e-6) and torch.allclose(long_mean, short_mean, atol=1e-6)
+        newest = summary([0, 0, 0, 3, 5])[0]                 # only the newest event differs
+        oldest = summary([0, 0, 0, 5, 4])[0]                 # only the oldest differs
+        assert not torch.allclose(newest, long_last) and not torch.allclose(oldest, long_last)
+        empty_last, empty_mean = summary([0, 0, 0, 0, 0])
+        assert torch.isfinite(empty_last).all() and torch.isfinite(empty_mean).all()

@@ -71,7 +71,8 @@ def devices(frames):
                             "t1": [time.time()]})
 
 rows = spark.range(8, numPartitions=2).mapInPandas(devices, "part int, auto string, cuda string, cpu string, "
-                                                           "assigned string, t0 double, t1 double").collect()
+                                                           "assigned string, t0 double, t1 double",
+                                                   barrier=True).collect()      # both tasks launched together
 print(json.dumps([r.asDict() for r in rows]))
 """
 

@@ -210,8 +210,8 @@ def train() -> None:
 @_train_field("--target-user", "fm_target_user")
 @_train_field("--family", "fm_family")
 def train_fm(out, **kw):
-    """Train the foundation model (sequence model with target attention, label and rating heads); the recipe's
-    defaults are the evaluated ones."""
+    """Train the foundation model (``--family``: the transformer with target attention, or the recurrent gru4rec;
+    label and rating heads); the recipe's defaults are the evaluated ones."""
     from solaris_jobs.learning import training
     ts, cfg, data = _train_run(kw)
     _echo_json(_summary(training.train_as_product("fm", data, out, ts, cfg)))
@@ -240,13 +240,15 @@ def train_ae(out, fm_path, fm_factory, **kw):
               help="plain: no FM; kd: FM soft labels; transfer: FM embedding (through the AE) as an input.")
 @click.option("--fm", "fm_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--ae", "ae_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--fm-factory", default=None, help="package.module:factory building the FM from --fm when it is your "
+                                                 "own (default: a SOLARIS checkpoint).")
 @click.option("--coverage", default=1.0, help="transfer: share of rows that get an embedding (others zeros).")
 @click.option("--kd-weight", default=0.5, help="kd: weight of the FM soft label in the loss.")
 @click.option("--verifier", is_flag=True, help="the refresh's verifier (plain, without the rankers' recency inputs, "
               "which the select step does not compute).")
 @_train_field("--verifier-epochs", "verifier_epochs")
 @_train_field("--verifier-patience", "verifier_patience")
-def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, verifier, **kw):
+def train_vm(out, mode, fm_path, ae_path, fm_factory, coverage, kd_weight, verifier, **kw):
     """Train the vertical model (the fast ranker), alone, with KD, or with the FM embedding; or the verifier (its
     epochs and patience: ``--verifier-epochs``, ``--verifier-patience``, the evaluated recipe)."""
     from solaris_jobs.learning import training
@@ -257,7 +259,7 @@ def train_vm(out, mode, fm_path, ae_path, coverage, kd_weight, verifier, **kw):
         _echo_json(_summary(training.train_as_product("verifier", data, out, ts, cfg)))
         return
     _echo_json(_summary(training.train_vm(data, out, cfg, mode=mode, fm_path=fm_path, ae_path=ae_path,
-                                          coverage=coverage, kd_weight=kd_weight)))
+                                          coverage=coverage, kd_weight=kd_weight, fm_factory=fm_factory)))
 
 
 @main.command("demo")

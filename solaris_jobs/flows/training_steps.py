@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from solaris_jobs.core.contract import TIERS
-from solaris_jobs.core.settings import Settings, TrainSettings, train_settings, ttl_env
+from solaris_jobs.core.settings import Settings, TrainSettings, env_var, train_settings, ttl_env
 from solaris_jobs.core.settings import model_registry as registry
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,11 @@ def train(kind: str, version_dir: str) -> dict:
     from solaris_jobs.learning import training
     o = train_settings()
     d = Path(version_dir)
+    if Settings.from_env(require=False).fm_factory:
+        raise ValueError(f"{env_var('fm_factory')} names your own FM: the training DAG trains SOLARIS's own FM and "
+                         f"publishes it as `current`, which your factory would then be given; unset one of the two "
+                         f"(train the autoencoder and rankers for your FM with `solaris train ae --fm-factory` and "
+                         f"`solaris train vm --fm-factory`)")
     cfg = training.TrainConfig.of(o)
     root = Settings.from_env(require=False).data
     if not root:

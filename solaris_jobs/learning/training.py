@@ -401,6 +401,9 @@ def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConf
     from solaris_jobs.pipeline.model_refs import load_fm
     _seed(cfg.seed)
     fm, fm_meta = load_fm(fm_path, fm_factory)
+    if data.train.history_len != fm.history_len:
+        raise ValueError(f"{fm_path}: the FM reads {fm.history_len} events of history, the data set was loaded with "
+                         f"{data.train.history_len}: load it at the FM's (--history-len {fm.history_len})")
     h_train = torch.from_numpy(fm_outputs(fm, data.train)["h"])
     h_test = torch.from_numpy(fm_outputs(fm, data.test)["h"])
     h_valid = torch.from_numpy(fm_outputs(fm, data.valid)["h"])
@@ -426,7 +429,7 @@ def train_ae(data: Dataset, fm_path: str | Path, out: str | Path, cfg: TrainConf
 
 
 def attach_fm_features(data: Dataset, fm_path, ae_path=None, kd: bool = False, coverage: float = 1.0,
-                       seed: int = 0) -> dict:
+                       seed: int = 0, fm_factory: str | None = None) -> dict:
     """Adds FM-derived per-row inputs to every split: ``fm_prob`` (KD) or ``fm_emb`` + ``tier`` (transfer).
 
     With ``coverage`` < 1, a random share of rows gets zeros and tier none instead, as a cache miss would.
@@ -434,7 +437,8 @@ def attach_fm_features(data: Dataset, fm_path, ae_path=None, kd: bool = False, c
     Returns:
         The versions of the models used.
     """
-    fm, fm_meta = load_checkpoint(fm_path, kind="fm")
+    from solaris_jobs.pipeline.model_refs import load_fm
+    fm, fm_meta = load_fm(fm_path, fm_factory)
     versions = {"fm_version": fm_meta["model_version"]}
     ae = None
     if not kd:
@@ -456,8 +460,10 @@ def attach_fm_features(data: Dataset, fm_path, ae_path=None, kd: bool = False, c
 
 
 def train_vm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), mode: str = "plain",
-             fm_path=None, ae_path=None, kd_weight: float = 0.5, coverage: float = 1.0, **model_args) -> dict:
-    """Trains the VM: ``plain`` (no FM), ``kd`` (FM soft labels) or ``transfer`` (FM embedding input).
+             fm_path=None, ae_path=None, kd_weight: float = 0.5, coverage: float = 1.0, fm_factory: str | None = None,
+             **model_args) -> dict:
+    """Trains the VM: ``plain`` (no FM), ``kd`` (FM soft labels) or ``transfer`` (FM embedding input);
+    ``fm_factory``: the FM's ``package.module:factory`` when it is a user's own.
 
     Returns:
         Metrics (valid/test BCE and AUC, base rate); saves the checkpoint at ``out``.
@@ -473,7 +479,8 @@ def train_vm(data: Dataset, out: str | Path, cfg: TrainConfig = TrainConfig(), m
             raise ValueError(f"VM mode {mode!r} needs --fm" + (" and --ae" if mode == "transfer" else ""))
         for s in (data.train, data.valid, data.test):
             s.extras.clear()
-        versions = attach_fm_features(data, fm_path, ae_path, kd=mode == "kd", coverage=coverage, seed=cfg.seed)
+        versions = attach_fm_features(data, fm_path, ae_path, kd=mode == "kd", coverage=coverage, seed=cfg.seed,
+                                      fm_factory=fm_factory)
         if mode == "transfer":
             fm_dim = data.train.extras["fm_emb"].shape[1]
     _seed(cfg.seed)

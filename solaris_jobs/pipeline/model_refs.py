@@ -56,7 +56,9 @@ class ModelSet:
         return self.history_len
 
     def to_dict(self) -> dict:
-        return {k: asdict(v) for k, v in (("fm", self.fm), ("ae", self.ae), ("vm", self.vm)) if v is not None}
+        # A SOLARIS checkpoint's ref is written as before #41 (no factory key): stats stay readable by older code.
+        return {k: {f: x for f, x in asdict(v).items() if f != "factory" or x is not None}
+                for k, v in (("fm", self.fm), ("ae", self.ae), ("vm", self.vm)) if v is not None}
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSet":
@@ -137,10 +139,11 @@ def load_fm(path, factory: str | None = None, map_location="cpu"):
         return load_checkpoint(path, map_location=map_location, kind="fm")
     from models.checkpoint import model_version
     model = factory_of(factory)(str(path), map_location)
-    model.eval()
+    if hasattr(model, "eval"):
+        model.eval()
     until = getattr(model, "trained_until", None)
     meta = {"kind": "fm", "family": factory, "model_version": model_version(model, kind="fm"),
-            "config": {"history_len": int(model.history_len)},
+            "config": {"history_len": getattr(model, "history_len", None)},          # check_fm refuses it if absent
             "extra": {"factory": factory, "trained_until": None if until is None else str(until)}}
     return model, meta
 
@@ -151,8 +154,10 @@ def _ref(folder: Path, kind: str, factory: str | None = None) -> tuple[ModelRef,
     if not path.exists():
         raise FileNotFoundError(f"{path}: no {kind.upper()} checkpoint (train one with `solaris train {kind}`)")
     if kind == "fm":
-        _, meta = load_fm(path, factory)
-        return ModelRef(kind, str(path), meta["model_version"], dict(meta["config"]), factory), meta
+        model, meta = load_fm(path, factory)
+        ref = ModelRef(kind, str(path), meta["model_version"], dict(meta["config"]), factory)
+        _check_fm_once(ref, model)
+        return ref, meta
     _, meta = load_checkpoint(path, kind=kind)
     return ModelRef(kind, str(path), meta["model_version"], dict(meta["config"])), meta
 
@@ -181,8 +186,6 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     refs, metas = {}, {}
     for kind in kinds:
         refs[kind], metas[kind] = _ref(folder, kind, fm_factory if kind == "fm" else None)
-    if "fm" in refs:
-        _check_fm_once(refs["fm"])
     if "ae" in refs and "fm" in refs:
         check_ae_of_fm(metas["fm"], metas["ae"], refs["fm"].path, refs["ae"].path)
     out = ModelSet(**refs)
@@ -191,17 +194,16 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     return out
 
 
-_CHECKED: set = set()        # (path, version) of FMs that passed the protocol's check in this process
+_CHECKED: set = set()        # (path, version, factory) of FMs that passed the protocol's check in this process
 
 
-def _check_fm_once(ref: ModelRef) -> None:
-    """``models.protocol.check_fm`` on the FM of ``ref``, once per version per process (on the CPU)."""
-    if (ref.path, ref.version) in _CHECKED:
+def _check_fm_once(ref: ModelRef, model) -> None:
+    """``models.protocol.check_fm`` on ``model``, the FM of ``ref``, once per version per process."""
+    if (ref.path, ref.version, ref.factory) in _CHECKED:
         return
     from models.protocol import check_fm
-    fm, _ = load_fm(ref.path, ref.factory)
-    check_fm(fm.eval(), ref.path)
-    _CHECKED.add((ref.path, ref.version))
+    check_fm(model, ref.path)
+    _CHECKED.add((ref.path, ref.version, ref.factory))
 
 
 def load(ref: ModelRef, device: str = "auto", threads: int | None = 1):
@@ -215,7 +217,7 @@ def load(ref: ModelRef, device: str = "auto", threads: int | None = 1):
     Raises:
         RuntimeError: the file now holds another version than the run resolved.
     """
-    key = (ref.path, ref.version, device)
+    key = (ref.path, ref.version, ref.factory, device)
     if key not in _LOADED:
         import torch
 

@@ -103,10 +103,13 @@ def _state_history_len(s: Settings, models) -> int | None:
     """The FM's history length, for the state ``select`` writes: of the run's FM, else of the one under
     ``settings.models`` (None: no FM there, or another history length than configured; no state then, and embed
     reads the log)."""
+    from models.protocol import FMRefused
     try:
         fm = models if models is not None and models.fm is not None else model_refs.resolve(
             s.models, ("fm",), fm_factory=s.fm_factory)
         return fm.check_history_len(s.precompute.history_len)
+    except FMRefused:
+        raise                           # an FM that breaks the protocol stops the run before it writes anything
     except (FileNotFoundError, ValueError) as e:
         logger.warning("no FM history length (%s): the interval's state is left to embed", e)
         return None

@@ -67,10 +67,6 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
         # default): the jobs cache small pools and states, then run a Python UDF over them, about 0.3 s of task
         # time per partition however few its rows (select at 10K: 25.5 -> 19.0 s, the same outputs).
         "spark.sql.optimizer.canChangeCachedPlanOutputPartitioning": "true",
-        # The neighbours step collects every user's FM vector and state to the driver for FAISS (N x 160 float32:
-        # 1.3 GB at 2M users), past Spark's 1 GB default; the driver's memory (spark.driver.memory), which must
-        # hold the index anyway, is the bound.
-        "spark.driver.maxResultSize": "0",
     }
     if master and master.startswith("sc://"):
         # A Spark Connect client: the session is the server's; SOLARIS's jobs need no JVM on this side. (Spark
