@@ -92,3 +92,41 @@ def test_the_ceiling_at_refresh_boundaries_and_at_the_ttl():
     # Covered: (3, 30) at 05:00 and 06:00; (4, 40) at 02:30 (shown 00:10, embedded at 01:00 and 02:00). Not: (3, 30)
     # at 02:00 (its first showing), (4, 40) at 06:00 (its 04:00 embedding is exactly one TTL old).
     assert got["ceiling"] == pytest.approx(3 / 5)
+
+
+def test_a_log_of_your_own_gets_its_protocol_dates_checked(tmp_path):
+    """`solaris evaluate --data PATH`: t0..t3 given (checked against the log: in order, overlapping it, each period
+    holding events) or at quantiles of its times; a log without a manifest is described by its files' digest."""
+    import pyarrow as pa
+
+    from solaris_jobs.evaluation.config import path_config
+    from solaris_jobs.evaluation.protocol import data_manifest
+    from solaris_jobs.evaluation.windows import protocol_of
+    _log(tmp_path, [(u, 1 + (k % 7), 60 * k + u, 1, None) for u in (1, 2) for k in range(96)])   # 4 days, hourly
+    table = ev.read_events(tmp_path, columns=["user_id", "item_id", "event_timestamp"])
+    p = protocol_of(path_config(tmp_path, times=("2026-01-01", "2026-01-03", "2026-01-04", "2026-01-05")), table)
+    assert (p.t1, p.t2, p.valid_from) == (T + pd.Timedelta(days=2), T + pd.Timedelta(days=3),
+                                          T + pd.Timedelta(days=2, hours=12))
+    q = protocol_of(path_config(tmp_path), table)     # quantiles 0.8 and 0.9 of the times, on hours (a 4-day log)
+    assert (q.t0, q.t1, q.t2, q.t3) == (T, T + pd.Timedelta(hours=76), T + pd.Timedelta(hours=86),
+                                        T + pd.Timedelta(hours=96))
+    cases = [(("2026-01-01", "2026-01-03", "2026-01-02", "2026-01-05"), r"t2 \(2026-01-02T00:00:00\+00:00\) is not "
+                                                                      r"after t1"),
+             (("2026-02-01", "2026-02-02", "2026-02-03", "2026-02-04"), "does not overlap the log"),
+             (("2025-12-01", "2025-12-02", "2026-01-02", "2026-01-03"), r"training \[t0, t1\) period holds no event"),
+             (("2026-01-01", "2026-01-02"), "four dates t0,t1,t2,t3 are needed, got 2")]
+    for times, message in cases:
+        with pytest.raises(ValueError, match=message):
+            protocol_of(path_config(tmp_path, times=times), table)
+    m = data_manifest(tmp_path)
+    assert m["source"] == str(tmp_path) and len(m["log"]) == 64
+    res = CliRunner().invoke(main, ["evaluate", "--data", str(tmp_path), "--out", str(tmp_path / "r"), "--times",
+                                    "2026-01-01,2026-01-03,2026-01-02,2026-01-05"])
+    assert res.exit_code == 1 and "t2 (2026-01-02T00:00:00+00:00) is not after t1" in res.output
+    for args, message in [(["--times", "2026-01-01,2026-01-02,2026-01-03,2026-01-04"], "go with --data"),
+                          (["--data", str(tmp_path), "--dataset", "movielens"], "takes no --dataset"),
+                          (["--data", str(tmp_path), "--split", "0.9,0.8"], "two quantiles 0 < q1 < q2 < 1")]:
+        res = CliRunner().invoke(main, ["evaluate", "--out", str(tmp_path / "r"), *args])
+        assert res.exit_code == 2 and message in res.output, res.output
+    assert not (tmp_path / "r").exists()                          # refused before anything ran or was written
+    del pa

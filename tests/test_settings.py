@@ -84,8 +84,8 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
         == {"epochs": m.fm_epochs, "history_len": m.history_len, "batch_size": m.batch_size, "d_model": m.d_model,
             "n_layers": m.n_layers, "d_interaction": m.d_interaction, "d_code": m.d_code, "fm_lr": m.fm_lr,
             "fm_weight_decay": m.fm_weight_decay, "fm_dropout": m.fm_dropout, "fm_target_user": m.fm_target_user}
-    # The evaluation's FM is the transformer family (ModelsConfig has no other): so is the product's default.
-    assert t.fm_family == "transformer"
+    # The evaluation's FM family is the product's default.
+    assert t.fm_family == m.fm_family == "transformer"
     searched = fm_search.committed()
     if searched is not None:
         assert fm_search.recipe_of(ModelsConfig()) == searched["chosen"]

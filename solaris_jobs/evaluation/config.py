@@ -19,7 +19,10 @@ class EvalConfig:
     The headline settings (TTLs, cadence, budget, pool) are fixed here before any headline run; docs/evaluation.md and
     BENCHMARKS say why each has its value.
     """
-    dataset: str = "synth"
+    dataset: str = "synth"                                 # synth, movielens, or path: a log of the user's own
+    data_root: str | None = None                           # dataset path: the data root (the event-log contract)
+    times: tuple = ()                                      # dataset path: (t0, t1, t2, t3), else from ``split``
+    split: tuple = (0.8, 0.9)                              # t1, t2 at these quantiles of the log's event times
     seeds: tuple = (0, 1, 2, 3, 4)                       # >= 5: the headline criterion resamples seeds (#40)
     data_per_seed: bool = True       # synth: seed k draws its own log (generator seed synth.seed + k), same config
     synth: SynthConfig = field(default_factory=lambda: SynthConfig(users=5_000, items=5_000, days=5, seed=0))
@@ -91,6 +94,15 @@ def quick_config(**kw) -> EvalConfig:
                 grid_points=4,
                 models=ModelsConfig(d_model=32, n_layers=1, d_interaction=64, d_code=16, history_len=30,
                                     fm_epochs=1, vm_epochs=3, max_train_rows=100_000))
+    return EvalConfig(**{**base, **kw})
+
+
+def path_config(root, **kw) -> EvalConfig:
+    """A log of the user's own (``solaris evaluate --data PATH``): the headline's refresh, serving and model
+    settings; t0..t3 given (``times``) or at quantiles of its event times (``split``, as MovieLens); three seeds
+    of models on the one log (no data draw per seed, no generator sweep)."""
+    base = dict(dataset="path", data_root=str(root), seeds=(0, 1, 2), data_per_seed=False, sequence_shares=(),
+                fast_cadence=None)
     return EvalConfig(**{**base, **kw})
 
 

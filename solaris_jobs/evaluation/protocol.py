@@ -65,11 +65,20 @@ def freeze_code_versions() -> dict:
             (("models", MODEL_CODE), ("replay", REPLAY_CODE), ("variants", VARIANT_CODE))}
 
 
+def data_manifest(root: Path) -> dict:
+    """The data set's manifest (``solaris data`` writes one); a log of the user's own without one is described by
+    its location and a digest of its files (``events.log_fingerprints``: paths, sizes, modification times)."""
+    from solaris_jobs.core import events as ev
+    path = Path(root) / "manifest.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"source": str(root), "log": ev.log_fingerprints(root, [(None, None)])[0]}
+
+
 def data_version(root: Path) -> str:
     """A hash of the data set's manifest (its generator version, configuration, calibration and counts; not its
     generation time): a data set regenerated at the same path is another data set."""
-    made = json.loads((Path(root) / "manifest.json").read_text())
-    made = {k: v for k, v in made.items() if k != "seconds"}
+    made = {k: v for k, v in data_manifest(root).items() if k != "seconds"}
     return hashlib.sha256(json.dumps(made, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -141,11 +150,12 @@ class ModelsConfig:
     batch_size: int = 512
     max_train_rows: int | None = None        # None: every row before fm_valid_from trains
     report_rows: int = 150_000               # the trainers' own "test" rows [t1, ...): reported, never used
+    fm_family: str = "transformer"           # the FM's family (models.checkpoint.FM_FAMILIES): the evaluated one
 
     def fm_args(self) -> dict:
-        """The ``FMConfig`` fields of this recipe."""
-        return {"d_model": self.d_model, "n_layers": self.n_layers, "d_interaction": self.d_interaction,
-                "dropout": self.fm_dropout, "target_user": self.fm_target_user}
+        """The FM's family and config fields of this recipe."""
+        return {"family": self.fm_family, "d_model": self.d_model, "n_layers": self.n_layers,
+                "d_interaction": self.d_interaction, "dropout": self.fm_dropout, "target_user": self.fm_target_user}
 
     def fm_train(self, seed: int) -> "TrainConfig":
         from solaris_jobs.learning.training import TrainConfig

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from solaris_jobs.evaluation import report as rep
 from solaris_jobs.evaluation.config import EvalConfig
-from solaris_jobs.evaluation.protocol import freeze_code_versions
+from solaris_jobs.evaluation.protocol import data_manifest, freeze_code_versions
 from solaris_jobs.evaluation.replays import SeedContext
 from solaris_jobs.evaluation.seed import run_seed
 from solaris_jobs.evaluation.targets import check_targets, seed_summary, sweep_point
@@ -42,6 +42,8 @@ def dataset_root(cfg: EvalConfig, out: Path, share: float | None = None, seed: i
     """The data set (generated or converted once under ``out``; synthetic traffic at sequence share ``share``,
     default the config's, drawn for evaluation seed ``seed`` (``data_seed``; default the config's own))."""
     from solaris_jobs.data import movielens, synth
+    if cfg.dataset == "path":
+        return Path(cfg.data_root)
     if cfg.dataset == "movielens":
         root = out / "data"
         if not (root / "manifest.json").exists():
@@ -91,7 +93,7 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
         ``data`` and ``protocol`` are the first seed's (each seed's are in ``per_seed``)."""
         root = dataset_root(cfg, out, seed=seed)
         table = ev.read_events(root)
-        manifest, protocol = ev.read_manifest(root), protocol_of(cfg, table)
+        manifest, protocol = data_manifest(root), protocol_of(cfg, table)
         data.setdefault("manifest", manifest), data.setdefault("protocol", protocol)
         return root, manifest, protocol, EventTable(table, str(root))
 

@@ -17,12 +17,55 @@ from solaris_jobs.evaluation.protocol import Protocol, by_days, by_quantiles
 
 
 def protocol_of(cfg: EvalConfig, events: pa.Table) -> Protocol:
-    """The protocol's dates for the log ``events``: MovieLens by quantiles of its times, synthetic traffic by days."""
+    """The protocol's dates for the log ``events``: synthetic traffic by days; MovieLens and a user's log at
+    quantiles of its times (``cfg.split``), or a user's log at the dates given (``cfg.times``, checked against it)."""
     ts = event_us(events)
+    if cfg.dataset == "path" and cfg.times:
+        return given_times(cfg.times, ts)
+    if cfg.dataset == "path":
+        # Dates on whole days for a log of a month or more, else on whole hours.
+        floor = "D" if ts.max() - ts.min() >= 30 * 86_400 * 10**6 else "h"
+        try:
+            return by_quantiles(ts, *cfg.split, floor=floor)
+        except ValueError as e:
+            raise ValueError(f"--split {cfg.split}: the log's quantiles give no room for every period ({e}); give "
+                             f"--times t0,t1,t2,t3 or other --split quantiles") from e
     if cfg.dataset == "movielens":
-        return by_quantiles(ts)
+        return by_quantiles(ts, *cfg.split)
     first = pd.Timestamp(int(ts.min()), unit="us", tz="UTC")
     return by_days(first, cfg.train_days, cfg.served_days, cfg.test_days, cfg.valid_hours, cfg.fm_valid_hours)
+
+
+def given_times(times, ts_us: np.ndarray, valid_share: float = 0.5, fm_valid_share: float = 0.125) -> Protocol:
+    """The protocol at the given ``(t0, t1, t2, t3)``, checked against the log's event times: in order, inside the
+    log, and each of the training, served-training and test periods holding events. The validation slices are as
+    ``by_quantiles`` makes them.
+
+    Raises:
+        ValueError: naming the date and what is wrong with it.
+    """
+    from solaris_jobs.core.events import to_utc
+    if len(times) != 4:
+        raise ValueError(f"--times: four dates t0,t1,t2,t3 are needed, got {len(times)}")
+    names = ("t0", "t1", "t2", "t3")
+    try:
+        t = [to_utc(x) for x in times]
+    except ValueError as e:
+        raise ValueError(f"--times: {e}") from e
+    for (a, x), (b, y) in zip(zip(names, t), zip(names[1:], t[1:])):
+        if y <= x:
+            raise ValueError(f"--times: {b} ({y.isoformat()}) is not after {a} ({x.isoformat()})")
+    first, last = (pd.Timestamp(int(v), unit="us", tz="UTC") for v in (ts_us.min(), ts_us.max()))
+    if t[0] > last or t[3] <= first:
+        raise ValueError(f"--times: [{t[0].isoformat()}, {t[3].isoformat()}) does not overlap the log "
+                         f"({first.isoformat()} .. {last.isoformat()})")
+    for name, (a, b) in zip(("training [t0, t1)", "served-training [t1, t2)", "test [t2, t3)"),
+                            zip(t, t[1:])):
+        if not within(ts_us, a, b).any():
+            raise ValueError(f"--times: the {name} period holds no event of the log ({first.isoformat()} .. "
+                             f"{last.isoformat()})")
+    return Protocol(t[0], t[1], t[2], t[3], (t[2] - (t[2] - t[1]) * valid_share).floor("h"),
+                    (t[1] - (t[1] - t[0]) * fm_valid_share).floor("h"))
 
 
 def event_us(table: pa.Table) -> np.ndarray:

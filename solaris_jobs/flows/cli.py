@@ -301,6 +301,14 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
 
 @main.command("evaluate")
 @click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
+@click.option("--data", "data_root", default=None, type=click.Path(exists=True, file_okay=False),
+              help="A log of your own in the event-log contract, instead of --dataset.")
+@click.option("--times", default=None, help="With --data: t0,t1,t2,t3 (UTC; training before t1, served training "
+                                           "[t1, t2), test [t2, t3)), checked against the log.")
+@click.option("--split", default=None, help="With --data and no --times: t1,t2 at these quantiles of the log's "
+                                           "event times (default 0.8,0.9); t0 and t3 its first and last day.")
+@click.option("--fm", "fm_family", type=click.Choice(["transformer", "gru4rec"]), default=None,
+              help="The FM family trained before t1 (default: the evaluated transformer).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
               "data, checkpoints, replays and FM outputs are cached under it.")
 @click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2,3,4; --quick: 0); 'none' runs "
@@ -316,22 +324,47 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
                                                   "'none' to skip: it costs about as much as the headline replay).")
 @click.option("--master", default="local[2]", help="Spark master for the replay.")
 @click.option("--fresh", is_flag=True, help="Delete --out first (otherwise unchanged steps are reused).")
-def evaluate_cmd(dataset, out, seeds, quick, users, sequence_shares, no_curves, fast_cadence, master,
-                 fresh) -> None:
+def evaluate_cmd(dataset, data_root, times, split, fm_family, out, seeds, quick, users, sequence_shares, no_curves,
+                 fast_cadence, master, fresh) -> None:
     """The replay evaluation: models trained before t1, the refresh and the serving client walked over [t1, t3) as
     production runs them, the ranker's VM trained on what was served; TR vs KD, coverage by tier and FM compute per
     served row, with paired-bootstrap intervals. Writes report.json, report.md (with plots) and report.html (one self-contained page)."""
     from dataclasses import replace
 
-    from solaris_jobs.evaluation.config import EvalConfig, movielens_config, quick_config
+    from solaris_jobs.evaluation.config import EvalConfig, movielens_config, path_config, quick_config
     from solaris_jobs.evaluation.report import headline_table
     from solaris_jobs.evaluation.run import evaluate
-    if dataset == "movielens":
+    if (times or split) and not data_root:
+        raise click.UsageError("--times and --split go with --data")
+    if data_root:
+        if dataset != "synth" or users:
+            raise click.UsageError("--data evaluates your log: it takes no --dataset or --users")
+        given = {}
+        if times:
+            given["times"] = tuple(x.strip() for x in times.split(","))
+        if split:
+            try:
+                q = tuple(float(x) for x in split.split(","))
+            except ValueError:
+                raise click.BadParameter(f"not two numbers: {split!r}", param_hint="--split")
+            if len(q) != 2 or not 0 < q[0] < q[1] < 1:
+                raise click.BadParameter(f"two quantiles 0 < q1 < q2 < 1, got {split!r}", param_hint="--split")
+            given["split"] = q
+        cfg = path_config(Path(data_root).resolve(), **given)
+        # The dates checked against the log now, before any Spark or training starts.
+        from solaris_jobs.core import events as ev
+        from solaris_jobs.evaluation.windows import protocol_of
+        protocol_of(cfg, ev.read_events(cfg.data_root, columns=["user_id", "item_id", "event_timestamp"]))
+        if quick:
+            cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
+    elif dataset == "movielens":
         cfg = movielens_config()
         if quick:
             cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
     else:
         cfg = quick_config() if quick else EvalConfig()
+    if fm_family:
+        cfg = replace(cfg, models=replace(cfg.models, fm_family=fm_family))
     kw = {"spark_master": master}
     if seeds:
         kw["seeds"] = () if seeds == "none" else tuple(int(x) for x in seeds.split(","))
