@@ -465,14 +465,14 @@ def processes_with_env(key: str, value: str) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------ a user's own FM
 
-def save_user_fm(model, path) -> None:
+def save_user_fm(model, path, trained_until: str | None = "2026-01-07T00:00:00+00:00") -> None:
     """Writes an FM the way a user's own code might: a plain ``torch.save`` of its config and weights, not a SOLARIS
-    checkpoint (no kind, format or version)."""
+    checkpoint (no kind, format or version), with the end of its training data (None: not declared)."""
     import dataclasses
 
     import torch
     torch.save({"config": dataclasses.asdict(model.cfg), "weights": model.state_dict(),
-                "trained_until": "2026-01-07T00:00:00+00:00"}, path)
+                "trained_until": trained_until}, path)
 
 
 def user_fm(path, map_location="cpu"):
@@ -487,5 +487,6 @@ def user_fm(path, map_location="cpu"):
     state = torch.load(path, map_location=map_location, weights_only=True)
     model = UserFM(GRUConfig(**state["config"]))
     model.load_state_dict(state["weights"])
-    model.trained_until = state["trained_until"]
+    if state["trained_until"] is not None:
+        model.trained_until = state["trained_until"]
     return model.to(map_location)

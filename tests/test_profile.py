@@ -130,3 +130,33 @@ def test_a_log_of_your_own_gets_its_protocol_dates_checked(tmp_path):
         assert res.exit_code == 2 and message in res.output, res.output
     assert not (tmp_path / "r").exists()                          # refused before anything ran or was written
     del pa
+
+
+def test_an_fm_of_your_own_that_saw_the_replay_or_test_is_refused(tmp_path):
+    """`solaris evaluate --data DIR --fm package.module:factory --fm-checkpoint FILE`: an FM trained on data after
+    t1 has seen the replay and test periods, and one that declares no training end may have: both refused before
+    anything runs, the second unless --possibly-leaky (which the report's config then carries)."""
+    from models.gru4rec import GRU4RecFM, GRUConfig
+    from solaris_jobs.evaluation.protocol import check_training_end
+    from solaris_jobs.evaluation.windows import given_times
+    from solaris_jobs.pipeline.model_refs import load_fm
+    from tests.support import save_user_fm
+    _log(tmp_path / "log", [(u, 1 + (k % 7), 60 * k + u, 1, None) for u in (1, 2) for k in range(96)])
+    fm = GRU4RecFM(GRUConfig(history_len=5, d_model=4, d_interaction=8))
+    times = "2026-01-01,2026-01-03,2026-01-04,2026-01-05"
+    base = ["evaluate", "--data", str(tmp_path / "log"), "--out", str(tmp_path / "r"), "--times", times,
+            "--fm", "tests.support:user_fm", "--fm-checkpoint"]
+    for until, leaky, message in [("2026-01-03T06:00:00+00:00", False, "trained on data until 2026-01-03T06:00:00"
+                                                                      r"\+00:00, after t1"),
+                                  (None, False, "declares no training end")]:
+        save_user_fm(fm, tmp_path / "fm.pt", until)
+        res = CliRunner().invoke(main, [*base, str(tmp_path / "fm.pt"), *(["--possibly-leaky"] if leaky else [])])
+        assert res.exit_code == 1 and __import__("re").search(message, res.output), res.output
+    assert not (tmp_path / "r").exists()
+    table = ev.read_events(tmp_path / "log", columns=["user_id", "item_id", "event_timestamp"])
+    p = given_times(times.split(","), table.column("event_timestamp").cast("int64").to_numpy())
+    check_training_end(load_fm(tmp_path / "fm.pt", "tests.support:user_fm")[1], p, True, "fm.pt")  # flagged: let by
+    save_user_fm(fm, tmp_path / "fm.pt", "2026-01-02T23:00:00+00:00")
+    check_training_end(load_fm(tmp_path / "fm.pt", "tests.support:user_fm")[1], p, False, "fm.pt")
+    res = CliRunner().invoke(main, ["evaluate", "--out", str(tmp_path / "r"), "--fm", "rnn"])
+    assert res.exit_code == 2 and "neither a family" in res.output

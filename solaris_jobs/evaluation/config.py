@@ -23,6 +23,9 @@ class EvalConfig:
     data_root: str | None = None                           # dataset path: the data root (the event-log contract)
     times: tuple = ()                                      # dataset path: (t0, t1, t2, t3), else from ``split``
     split: tuple = (0.8, 0.9)                              # t1, t2 at these quantiles of the log's event times
+    fm_checkpoint: str | None = None                       # a trained FM of the user's own, taken as it is
+    fm_factory: str | None = None                          # its package.module:factory (models.protocol)
+    possibly_leaky: bool = False                           # evaluate an FM that declares no training end
     seeds: tuple = (0, 1, 2, 3, 4)                       # >= 5: the headline criterion resamples seeds (#40)
     data_per_seed: bool = True       # synth: seed k draws its own log (generator seed synth.seed + k), same config
     synth: SynthConfig = field(default_factory=lambda: SynthConfig(users=5_000, items=5_000, days=5, seed=0))
@@ -123,7 +126,7 @@ def refresh_settings(cfg: EvalConfig, root: Path, offline: Path, models_dir: Pat
     from solaris_jobs.core.settings import PrecomputeConfig, Settings, SimulatorConfig
     n = cfg.n_candidates
     return Settings(data=str(root), offline=str(offline), models=str(models_dir), expire_from="event",
-                    spark_master=cfg.spark_master, spark_log_level="ERROR",
+                    spark_master=cfg.spark_master, spark_log_level="ERROR", fm_factory=cfg.fm_factory,
                     precompute=PrecomputeConfig(
                         active_hours=cfg.active_hours, lookback_days=None, recent_hours=cfg.recent_hours,
                         budget_per_row=budget, select_priority=cfg.select_priority,

@@ -164,21 +164,51 @@ class ModelsConfig:
                            history_len=self.history_len, max_train_rows=self.max_train_rows)
 
 
+def check_training_end(meta: dict, protocol: Protocol, possibly_leaky: bool, name: str) -> None:
+    """Refuses a user's FM that may have seen the replay or the test: one whose declared training end
+    (``trained_until``) is after t1, or one that declares none unless ``possibly_leaky`` (the report then says so).
+
+    Raises:
+        ValueError: naming the FM, its training end and t1.
+    """
+    until = (meta.get("extra") or {}).get("trained_until")
+    if until is None:
+        if not possibly_leaky:
+            raise ValueError(f"{name} declares no training end (trained_until): it may have been trained on the "
+                             f"replay or test periods (from {protocol.t1.isoformat()}); pass --possibly-leaky to "
+                             f"evaluate it anyway, and the report says so")
+        return
+    if to_utc(until) > protocol.t1:
+        raise ValueError(f"{name} was trained on data until {to_utc(until).isoformat()}, after t1 "
+                         f"({protocol.t1.isoformat()}): it has seen the replay and test periods; give --times with a "
+                         f"later t1, or an FM trained before it")
+
+
 def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: ModelsConfig,
-                 label_delay_minutes: float) -> dict:
+                 label_delay_minutes: float, fm_checkpoint: str | None = None, fm_factory: str | None = None,
+                 possibly_leaky: bool = False) -> dict:
     """Trains fm.pt, ae.pt and vm.pt (the verifier) into ``out`` on ``[t0, t1)`` (reused when ``out`` holds them for
     the same data, protocol, seed, settings and training code). The FM, autoencoder and verifier see an event's
     label only ``label_delay_minutes`` after the event, as the refresh does.
+
+    With ``fm_checkpoint`` (a user's trained FM, built by ``fm_factory``), the FM is taken as it is (copied into
+    ``out``, after ``check_training_end``): only the autoencoder and the verifier are trained.
 
     Returns:
         {"fm", "ae", "vm"}: each model's metrics (its validation inside ``[t0, t1)``; the test split of these
         trainers is ``[t1, ...)`` and is reported, never used).
     """
     from solaris_jobs.learning import training
+    from solaris_jobs.pipeline.model_refs import load_fm
     out = Path(out)
+    user = None
+    if fm_checkpoint is not None:
+        _, meta = load_fm(fm_checkpoint, fm_factory)
+        check_training_end(meta, protocol, possibly_leaky, fm_checkpoint)
+        user = {"checkpoint": str(fm_checkpoint), "factory": fm_factory, "version": meta["model_version"]}
     key = {"root": str(root), "protocol": protocol.to_dict(), "seed": seed, "cfg": asdict(cfg),
            "label_delay_minutes": label_delay_minutes,
-           "code": code_version(MODEL_CODE), "data": data_version(root)}
+           "code": code_version(MODEL_CODE), "data": data_version(root), "user_fm": user}
     stamp = out / "trained.json"
     if stamp.exists() and all((out / f"{k}.pt").exists() for k in ("fm", "ae", "vm")):
         done = json.loads(stamp.read_text())
@@ -191,12 +221,18 @@ def train_models(root: Path, protocol: Protocol, seed: int, out: Path, cfg: Mode
     # The trainers' "test" split is everything from t1 on: reported by them, never used here.
     data.test = training.cap_rows(data.test, cfg.report_rows, seed)
     tc = cfg.fm_train(seed)
-    # Hours at the full size: resumable per epoch when the run is interrupted.
-    fm = training.train_fm(data, out / "fm.pt", tc, resume_key=json.dumps(key, sort_keys=True), **cfg.fm_args())
+    if user is not None:
+        import shutil
+        shutil.copyfile(fm_checkpoint, out / "fm.pt")          # taken as it is: the file its factory reads
+        fm = {"taken_as_is": user, "history": []}
+    else:
+        # Hours at the full size: resumable per epoch when the run is interrupted.
+        fm = training.train_fm(data, out / "fm.pt", tc, resume_key=json.dumps(key, sort_keys=True), **cfg.fm_args())
     # The autoencoder's and the verifier's own recipes (the trainers' default learning rate), whatever the FM's.
     base = training.TrainConfig(batch_size=cfg.batch_size, seed=seed, history_len=cfg.history_len,
                                 max_train_rows=cfg.max_train_rows)
-    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", replace(base, epochs=cfg.ae_epochs), d_code=cfg.d_code)
+    ae = training.train_ae(data, out / "fm.pt", out / "ae.pt", replace(base, epochs=cfg.ae_epochs), d_code=cfg.d_code,
+                           fm_factory=fm_factory if user is not None else None)
     vm = training.train_verifier(data, out / "vm.pt", replace(base, epochs=cfg.vm_epochs, patience=cfg.vm_patience))
     keep = lambda m: {k: v for k, v in m.items() if k != "history"}
     metrics = {"fm": keep(fm), "ae": keep(ae), "vm": keep(vm)}

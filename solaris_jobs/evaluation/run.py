@@ -147,7 +147,8 @@ def choose_tiers(cfg: EvalConfig, out: Path) -> dict:
     table = ev.read_events(root)
     ctx = SeedContext(cfg, root, out / f"seed{seed}", protocol_of(cfg, table), seed, EventTable(table, str(root)),
                       eval_session(cfg))
-    train_models(ctx.root, ctx.protocol, seed, ctx.out / "models", cfg.models, cfg.label_delay_minutes)
+    train_models(ctx.root, ctx.protocol, seed, ctx.out / "models", cfg.models, cfg.label_delay_minutes,
+                 cfg.fm_checkpoint, cfg.fm_factory, cfg.possibly_leaky)
     base = replay_base(ctx, with_curves=cfg.curves)
     served, _ = base.served_at(cfg.budget)
     tab = variant_table(ctx, base, served)

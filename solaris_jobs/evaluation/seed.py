@@ -27,7 +27,7 @@ def run_seed(ctx: SeedContext, with_curves: bool, names=None) -> dict:
     cfg = ctx.cfg
     t_seed = time.perf_counter()
     model_metrics = train_models(ctx.root, ctx.protocol, ctx.seed, ctx.out / "models", cfg.models,
-                                 cfg.label_delay_minutes)
+                                 cfg.label_delay_minutes, cfg.fm_checkpoint, cfg.fm_factory, cfg.possibly_leaky)
     base = replay_base(ctx, with_curves)
     served, dout = base.served_at(cfg.budget)
     tab = variant_table(ctx, base, served)
@@ -64,7 +64,7 @@ def replay_base(ctx: SeedContext, with_curves: bool) -> BaseReplay:
     from solaris_jobs.pipeline import model_refs
     cfg, P = ctx.cfg, ctx.protocol
     models_dir = ctx.out / "models"
-    models = model_refs.resolve(models_dir, ("fm", "ae", "vm"))
+    models = model_refs.resolve(models_dir, ("fm", "ae", "vm"), fm_factory=cfg.fm_factory)
     plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(cfg.cadence), pd.Timedelta(cfg.delay), ttls(cfg),
                              cfg.serving_budget_ms, cfg.serving_cooldown_s, cfg.serving_store, tuple(cfg.tiers))
     budget = max(max(cfg.budgets), cfg.budget * cfg.slow_cadence) if with_curves else cfg.budget
@@ -80,7 +80,8 @@ def variant_table(ctx: SeedContext, base: BaseReplay, served):
     P = ctx.protocol
     data = training.load_dataset(str(ctx.root), base.models.history_len, cuts=(P.valid_from, P.t2),
                                  label_delay_minutes=ctx.cfg.label_delay_minutes)
-    cache = variants.fm_outputs(data, base.models.fm.path, base.models.ae.path, P, ctx.out / "cache")
+    cache = variants.fm_outputs(data, base.models.fm.path, base.models.ae.path, P, ctx.out / "cache",
+                                base.models.fm.factory)
     return variants.build_table(data, P, served, cache)
 
 

@@ -185,14 +185,15 @@ def build_table_like(tab: Table, served: pa.Table) -> Table:
     return replace(tab, served_emb=emb, served_tier=tier, served_age_h=age, served_n=count)
 
 
-def fm_outputs(data, fm_path, ae_path, protocol, cache: Path) -> dict:
+def fm_outputs(data, fm_path, ae_path, protocol, cache: Path, fm_factory: str | None = None) -> dict:
     """The FM's logit and its autoencoder code at each row's own time, for every row of [t1, t3) (the oracle, KD's
     soft labels and the FM's own test loss); cached per FM and AE version."""
     import torch
 
     from models import load_checkpoint
     from solaris_jobs.learning.training import predict
-    fm, fm_meta = load_checkpoint(fm_path, kind="fm")
+    from solaris_jobs.pipeline.model_refs import load_fm
+    fm, fm_meta = load_fm(fm_path, fm_factory)
     ae, ae_meta = load_checkpoint(ae_path, kind="ae")
     path = (Path(cache) / f"fm_outputs-{fm_meta['model_version']}-{ae_meta['model_version']}"
             f"-{code_version(VARIANT_CODE)}.npz")

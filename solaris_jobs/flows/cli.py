@@ -307,8 +307,14 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
                                            "[t1, t2), test [t2, t3)), checked against the log.")
 @click.option("--split", default=None, help="With --data and no --times: t1,t2 at these quantiles of the log's "
                                            "event times (default 0.8,0.9); t0 and t3 its first and last day.")
-@click.option("--fm", "fm_family", type=click.Choice(["transformer", "gru4rec"]), default=None,
-              help="The FM family trained before t1 (default: the evaluated transformer).")
+@click.option("--fm", "fm_family", default=None,
+              help="The FM: a family trained before t1 (transformer, the evaluated one and the default, or gru4rec), "
+                   "or package.module:factory of your own FM, taken as it is from --fm-checkpoint.")
+@click.option("--fm-checkpoint", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="With --fm package.module:factory: your trained FM's file (its declared trained_until must be "
+                   "before t1).")
+@click.option("--possibly-leaky", is_flag=True, help="Evaluate an FM of your own that declares no training end; "
+                                                    "the report says so.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Report folder (e.g. reports/<name>/); "
               "data, checkpoints, replays and FM outputs are cached under it.")
 @click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1,2,3,4; --quick: 0); 'none' runs "
@@ -324,8 +330,8 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
                                                   "'none' to skip: it costs about as much as the headline replay).")
 @click.option("--master", default="local[2]", help="Spark master for the replay.")
 @click.option("--fresh", is_flag=True, help="Delete --out first (otherwise unchanged steps are reused).")
-def evaluate_cmd(dataset, data_root, times, split, fm_family, out, seeds, quick, users, sequence_shares, no_curves,
-                 fast_cadence, master, fresh) -> None:
+def evaluate_cmd(dataset, data_root, times, split, fm_family, fm_checkpoint, possibly_leaky, out, seeds, quick,
+                 users, sequence_shares, no_curves, fast_cadence, master, fresh) -> None:
     """The replay evaluation: models trained before t1, the refresh and the serving client walked over [t1, t3) as
     production runs them, the ranker's VM trained on what was served; TR vs KD, coverage by tier and FM compute per
     served row, with paired-bootstrap intervals. Writes report.json, report.md (with plots) and report.html (one self-contained page)."""
@@ -363,8 +369,29 @@ def evaluate_cmd(dataset, data_root, times, split, fm_family, out, seeds, quick,
             cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
     else:
         cfg = quick_config() if quick else EvalConfig()
-    if fm_family:
+    if fm_family and ":" in fm_family:
+        if not fm_checkpoint:
+            raise click.UsageError("--fm package.module:factory takes your FM from --fm-checkpoint")
+        from solaris_jobs.evaluation.protocol import check_training_end
+        from solaris_jobs.pipeline.model_refs import load_fm
+        cfg = replace(cfg, fm_checkpoint=str(Path(fm_checkpoint).resolve()), fm_factory=fm_family,
+                      possibly_leaky=possibly_leaky)
+        # Refused now (a factory that does not resolve, an FM that saw the replay or test) rather than after hours.
+        if cfg.dataset == "path":
+            from solaris_jobs.core import events as ev
+            from solaris_jobs.evaluation.windows import protocol_of
+            p = protocol_of(cfg, ev.read_events(cfg.data_root, columns=["user_id", "item_id", "event_timestamp"]))
+            check_training_end(load_fm(cfg.fm_checkpoint, fm_family)[1], p, possibly_leaky, fm_checkpoint)
+        else:
+            load_fm(cfg.fm_checkpoint, fm_family)
+    elif fm_family:
+        from models.checkpoint import FM_FAMILIES
+        if fm_family not in FM_FAMILIES:
+            raise click.BadParameter(f"{fm_family!r} is neither a family ({', '.join(FM_FAMILIES)}) nor a "
+                                     f"package.module:factory", param_hint="--fm")
         cfg = replace(cfg, models=replace(cfg.models, fm_family=fm_family))
+    elif fm_checkpoint or possibly_leaky:
+        raise click.UsageError("--fm-checkpoint and --possibly-leaky go with --fm package.module:factory")
     kw = {"spark_master": master}
     if seeds:
         kw["seeds"] = () if seeds == "none" else tuple(int(x) for x in seeds.split(","))
