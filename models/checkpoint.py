@@ -87,10 +87,21 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", kind: str | Non
             written in another format or by a code version whose model config differs, or holds another kind of
             model than ``kind``.
     """
-    if not Path(path).is_file():
+    source = path
+    if "://" in str(path) and not str(path).startswith("file://"):
+        from solaris_jobs.core import uris           # an object store, HDFS: the project's file system layer
+        fs, p = uris.filesystem(path)
+        try:
+            with fs.open_input_stream(p) as f:
+                source = io.BytesIO(f.read())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no checkpoint there (train one with `solaris train`)") from None
+    elif not Path(str(path).removeprefix("file://")).is_file():
         raise FileNotFoundError(f"{path}: no checkpoint there (train one with `solaris train`)")
+    else:
+        source = str(path).removeprefix("file://")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(source, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, AttributeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a readable SOLARIS checkpoint ({first[:200]})") from e

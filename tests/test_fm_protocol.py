@@ -182,3 +182,37 @@ def test_the_recurrent_fm_reads_only_real_events_newest_last():
         assert not torch.allclose(newest, long_last) and not torch.allclose(oldest, long_last)
         empty_last, empty_mean = summary([0, 0, 0, 0, 0])
         assert torch.isfinite(empty_last).all() and torch.isfinite(empty_mean).all()
+
+
+def test_models_resolved_through_a_pointer_file_locally_and_on_an_object_store(tmp_path, monkeypatch):
+    """A registry's ``current`` as a pointer file (the folder it names, relative to it or a URI), and checkpoints on
+    an S3-API store (moto on loopback): resolved once, loaded where the models run through the project's file
+    system layer, the same versions as the local files."""
+    import pyarrow.fs as pafs
+
+    from models import AEConfig, Autoencoder, VMConfig, VerticalModel
+    from solaris_jobs.core import uris
+    from tests.support import S3Server
+    reg = tmp_path / "registry"
+    v1 = reg / "versions" / "v1"
+    fm = _fm()
+    fm_version = save_checkpoint(fm, v1 / "fm.pt")
+    save_checkpoint(Autoencoder(AEConfig(d_in=16, d_code=4, d_user=16)), v1 / "ae.pt", extra={"fm_version": fm_version})
+    save_checkpoint(VerticalModel(VMConfig(recency=False)), v1 / "vm.pt")
+    (reg / "current").write_text("versions/v1\n")
+    local = model_refs.resolve(reg / "current")
+    assert local.fm.path == str(v1.resolve() / "fm.pt") and local.fm.version == fm_version
+    with S3Server(tmp_path / "s3") as s3:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        s3.bucket("models")
+        bucket = uris.filesystem("s3a://models")[0]
+        pafs.copy_files(str(reg), "models/registry", pafs.LocalFileSystem(), bucket)
+        remote = model_refs.resolve("s3a://models/registry/current")
+        assert remote.fm.path == "s3a://models/registry/versions/v1/fm.pt"
+        assert [r.version for r in (remote.fm, remote.ae, remote.vm)] == [r.version for r in (local.fm, local.ae,
+                                                                                               local.vm)]
+        loaded, meta, _ = model_refs.load(remote.ae, "cpu", None)
+        assert meta["model_version"] == local.ae.version
+        with pytest.raises(FileNotFoundError, match=r"s3a://models/registry/versions/v2/fm.pt: no FM checkpoint"):
+            model_refs.resolve("s3a://models/registry/versions/v2")

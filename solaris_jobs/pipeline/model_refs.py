@@ -148,10 +148,41 @@ def load_fm(path, factory: str | None = None, map_location="cpu"):
     return model, meta
 
 
-def _ref(folder: Path, kind: str, factory: str | None = None) -> tuple[ModelRef, dict]:
+def models_folder(models) -> str:
+    """The models folder ``models`` names, resolved once: a local folder (its links followed, as before), or any URI
+    the project's file system layer opens (``file://``, ``s3a://``, ``hdfs://``); a *file* there (a registry's
+    ``current`` pointer) holds the folder it points at, absolute or relative to the pointer's own folder."""
+    from solaris_jobs.core import uris
+    text = str(models)
+    local = "://" not in text or text.startswith("file://")
+    if local:
+        p = Path(text.removeprefix("file://")).resolve()
+        if p.is_file():
+            target = p.read_text().strip()
+            return str((p.parent / target).resolve()) if "://" not in target else target
+        return str(p)
+    import pyarrow.fs as pafs
+    fs, path = uris.filesystem(text)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        with fs.open_input_stream(path) as f:
+            target = f.read().decode().strip()
+        return target if "://" in target else uris.join(text.rsplit("/", 1)[0], target)
+    return text.rstrip("/")
+
+
+def _exists(path: str) -> bool:
+    from solaris_jobs.core import uris
+    if "://" not in path:
+        return Path(path).exists()
+    import pyarrow.fs as pafs
+    fs, p = uris.filesystem(path)
+    return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+
+def _ref(folder: str, kind: str, factory: str | None = None) -> tuple[ModelRef, dict]:
     from models import load_checkpoint
-    path = folder / f"{kind}.pt"
-    if not path.exists():
+    path = f"{folder}/{kind}.pt"
+    if not _exists(path):
         raise FileNotFoundError(f"{path}: no {kind.upper()} checkpoint (train one with `solaris train {kind}`)")
     if kind == "fm":
         model, meta = load_fm(path, factory)
@@ -172,7 +203,8 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
     """Resolves the checkpoints of ``kinds`` in the folder ``models`` once, and checks them.
 
     Args:
-        models: folder with fm.pt, ae.pt, vm.pt (links are followed now, once).
+        models: folder with fm.pt, ae.pt, vm.pt, or a pointer file naming it (``models_folder``: links and pointers
+            are followed now, once); a local path or a URI.
         history_len: the run's FM history length (None: the FM's).
         fm_factory: the FM's ``package.module:factory`` when fm.pt is a user's own FM (None: a SOLARIS checkpoint).
 
@@ -182,7 +214,7 @@ def resolve(models: str | os.PathLike, kinds=KINDS, history_len: int | None = No
         models.protocol.FMRefused: the FM breaks the FM protocol on a probe batch (``check_fm``), before the run
             writes anything.
     """
-    folder = Path(str(models).removeprefix("file://")).resolve()
+    folder = models_folder(models)
     refs, metas = {}, {}
     for kind in kinds:
         refs[kind], metas[kind] = _ref(folder, kind, fm_factory if kind == "fm" else None)
