@@ -3,7 +3,8 @@
 Registry layout (``settings.model_registry()``)::
 
     versions/<stamp>/{fm,ae,vm,vm_transfer}.pt     one folder per training run
-    current -> versions/<stamp>                    what the refresh DAG uses (Settings.models = <registry>/current)
+    current                                        a pointer file, "versions/<stamp>": what the refresh DAG uses
+                                                   (Settings.models = <registry>/current)
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ def train_served_vm(root: str, version_dir: Path, o: TrainSettings, P) -> dict:
 
 
 def publish(version_dir: str) -> dict:
-    """Checks that the version's checkpoints belong together, then points ``current`` at it atomically."""
+    """Checks that the version's checkpoints belong together, then points ``current`` (a pointer file) at it
+    atomically."""
     from models import load_checkpoint
     from solaris_jobs.core.contract import embedding_version, vm_embedding_version
     from solaris_jobs.pipeline.model_refs import check_ae_of_fm
@@ -126,11 +128,13 @@ def publish(version_dir: str) -> dict:
     if vm_embedding_version(metas["vm_transfer"]) != want:
         raise ValueError(f"{d}: vm_transfer.pt takes embeddings {vm_embedding_version(metas['vm_transfer'])}, "
                          f"not {want}")
+    # ``current`` is a pointer file naming the version (relative to the registry), replaced whole: readers
+    # (``model_refs.models_folder``) see the old version or the new one, on any file system (a link is not).
     current = registry() / "current"
     tmp = registry() / f".current-{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
-    tmp.symlink_to(d, target_is_directory=True)
+    tmp.write_text(os.path.relpath(d, registry().resolve()) + "\n")
     os.replace(tmp, current)
     logger.info("published %s (embeddings %s+%s)", d, fm_v, ae_v)
     return {"current": str(d), "embedding_version": want}
