@@ -154,12 +154,26 @@ def _settings_json() -> str:
     return _settings().for_spark_submit().to_json()
 
 
+def _submit_settings(task) -> None:
+    """The step's spark-submit settings (``SOLARIS_SPARK_SUBMIT``: conf, a packed environment or py-files, env vars,
+    deploy mode, where the cluster finds the script) set on its operator when the task runs: the DAG file imports
+    nothing of SOLARIS when it is parsed."""
+    from solaris_jobs.core.settings import Settings
+    args = Settings.from_env(require=False).spark_submit.operator_args(task.task_id, Path(task.application).name,
+                                                                        str(ROOT / "spark_jobs"))
+    task.application, task.conf, task.py_files = args["application"], args["conf"], args["py_files"]
+    task._archives, task.env_vars = args["archives"], args["env_vars"]
+    if "deploy_mode" in args:
+        task._deploy_mode = args["deploy_mode"]
+
+
 def _before_spark_submit(context=None) -> None:
     """Before spark-submit runs (``pre_execute``: an exception here fails the task; Airflow only logs one raised by
-    an ``on_execute_callback``): the online store prepared and checked, and a deploy mode the connection's master
-    cannot run a Python driver in refused."""
+    an ``on_execute_callback``): the online store prepared and checked, the step's spark-submit settings applied,
+    and a deploy mode the connection's master cannot run a Python driver in refused."""
     from airflow.sdk import Connection
     _prepare_store()
+    _submit_settings(context["task"])
     c = Connection.get(SPARK_CONN)
     master = f"{c.host}:{c.port}" if c.port else str(c.host)
     _settings().spark_submit.check_master(master, c.extra_dejson.get("deploy-mode"))
@@ -167,19 +181,15 @@ def _before_spark_submit(context=None) -> None:
 
 def _spark_submit(step: str, script: str, **kwargs):
     from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-
-    from solaris_jobs.core.settings import Settings
     args = ["--settings", "{{ solaris_settings() }}",
             "--start", "{{ data_interval_start.isoformat() }}", "--end", "{{ data_interval_end.isoformat() }}",
             "--lease-owner", "{{ run_id }}"]
-    # The step's spark-submit settings (SOLARIS_SPARK_SUBMIT: conf, a packed environment, env vars, deploy mode),
-    # read when the DAG is parsed: a bad value is an import error that names the variable.
-    submit = Settings.from_env(require=False).spark_submit.operator_args(step, script, str(ROOT / "spark_jobs"))
-    # In client mode spark-submit inherits the task's environment: the driver takes the interval's lease in the
-    # same store.
-    return SparkSubmitOperator(task_id=step, conn_id=SPARK_CONN, application_args=args, doc_md=DOCS[step],
-                               pre_execute=_before_spark_submit,
-                               post_execute=_announce_published(step), **submit, **kwargs)
+    # The step's spark-submit settings (SOLARIS_SPARK_SUBMIT) are applied when the task runs (_before_spark_submit;
+    # a bad value fails it naming the variable). In client mode spark-submit inherits the task's environment: the
+    # driver takes the interval's lease in the same store.
+    return SparkSubmitOperator(task_id=step, application=str(ROOT / "spark_jobs" / script), conn_id=SPARK_CONN,
+                               application_args=args, doc_md=DOCS[step], pre_execute=_before_spark_submit,
+                               post_execute=_announce_published(step), **kwargs)
 
 
 with DAG(

@@ -88,15 +88,16 @@ def test_dag_integrity(airflow_env, monkeypatch):
         "solaris_online_store"}
     # Parsing imports none of the heavy libraries (a fresh interpreter, as the DAG processor has), and with a
     # Spark connection the Spark steps become SparkSubmitOperators (the FM one on the configured queue).
-    # Each Spark step's spark-submit settings come from SOLARIS_SPARK_SUBMIT: shared ones, and the embed step's own
-    # on top (GPU resources, its py-files).
+    # Each Spark step's spark-submit settings come from SOLARIS_SPARK_SUBMIT, applied when the task runs (after the
+    # heavy-import check: parsing imports nothing of SOLARIS): shared ones, and the embed step's own on top.
     code = ("import sys, importlib.util as u; s = u.spec_from_file_location('d', sys.argv[1]); "
             "m = u.module_from_spec(s); s.loader.exec_module(m); import json; "
-            "sub = lambda t: {f: getattr(t, f, None) for f in ('application', 'conf', 'py_files', '_archives', "
-            "'env_vars', '_deploy_mode')}; "
-            "print(json.dumps({'heavy': [k for k in sys.argv[2:] if k in sys.modules], "
+            "heavy = [k for k in sys.argv[2:] if k in sys.modules]; "
+            "sub = lambda t: (getattr(m, '_submit_settings', lambda t: None)(t), {f: getattr(t, f, None) for f in "
+            "('application', 'conf', 'py_files', '_archives', 'env_vars', '_deploy_mode')})[1]; "
+            "print(json.dumps({'heavy': heavy, "
             "'ops': {t.task_id: type(t).__name__ for t in m.dag.tasks}, 'queue': m.dag.get_task('embed').queue, "
-            "'submit': {n: sub(m.dag.get_task(n)) for n in ('select', 'embed')}}))")
+            "'submit': {n: sub(m.dag.get_task(n)) for n in ('select', 'embed')} if m.SPARK_CONN else {}}))")
     submit = {"conf": {"spark.executor.memory": "8g"}, "archives": ["env.tar.gz#env"], "env_vars": {"A": "1"},
               "steps": {"embed": {"conf": {"spark.task.resource.gpu.amount": "1"}, "py_files": ["fm.zip"]}}}
     for conn, kind in ((None, "_PythonDecoratedOperator"), ("spark_default", "SparkSubmitOperator")):
