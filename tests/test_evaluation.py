@@ -18,6 +18,7 @@ from solaris_jobs.evaluation.config import EvalConfig, refresh_settings, ttls
 from solaris_jobs.evaluation.protocol import ModelsConfig
 from solaris_jobs.evaluation.run import evaluate
 from solaris_jobs.evaluation.targets import check_targets, sweep_point
+from solaris_jobs.online.reader import FALLBACKS
 
 NONE = TIERS.index("none")
 
@@ -186,6 +187,9 @@ TINY = EvalConfig(
     # The production reader's 10 ms would let a loaded 2-core CI machine's scheduling fail reads open at random,
     # and these tests compare runs row for row: the mechanism is the same, the budget 1 s (declared here).
     serving_budget_ms=1000.0,
+    # Every fallback tier served (the product's default serves those validation kept: none on the headline's
+    # traffic), so that these tests exercise each tier's replay, scoring and report.
+    tiers=FALLBACKS,
     models=ModelsConfig(d_model=16, n_layers=1, d_interaction=32, d_code=8, history_len=10, fm_epochs=1,
                         vm_epochs=2, max_train_rows=None))
 

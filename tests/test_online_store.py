@@ -20,7 +20,7 @@ from solaris_jobs.online import feast_format as ff
 from solaris_jobs.online import store_config
 from solaris_jobs.online.materialize import materialize, materialized_intervals
 from solaris_jobs.online.misses import ParquetSink, drain_misses
-from solaris_jobs.online.reader import FeatureReader
+from solaris_jobs.online.reader import FALLBACKS, FeatureReader
 from solaris_jobs.online.views import views
 from tests.support import ML_END, ML_START, feast_yaml, free_port, RedisServer
 
@@ -81,7 +81,7 @@ def test_materialize_sets_bad_rows_aside_with_reasons(tmp_path, monkeypatch):
                                  entity_rows=[{"user_id": 1, "item_id": i} for i in (10, 11, 12)]).to_dict()
     assert np.array_equal(np.asarray(got["embedding"], np.float32), np.stack(good))
     assert got["model_version"] == ["v1"] * 3
-    reader = FeatureReader(cfg, "v1", 4, misses=None)
+    reader = FeatureReader(cfg, "v1", 4, misses=None, tiers=FALLBACKS)
     f = reader.read(1, [10, 11, 12, 14, 15, 16], end + HOUR)
     assert f.tier_names() == ["pair"] * 3 + ["none"] * 3
     np.testing.assert_array_equal(f.embeddings[:3], np.stack(good))
@@ -243,7 +243,7 @@ def test_status_shows_each_steps_state_the_stores_keys_and_the_serving_metrics(m
     job, stats = ml_run
     off = _offline(job)
     pairs = off["pair_embeddings"]
-    reader = FeatureReader(store, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+    reader = FeatureReader(store, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None, tiers=FALLBACKS)
     user = int(pairs.user_id.iloc[0])
     reader.read(user, np.array([*pairs[pairs.user_id == user].item_id, 10**6]), ML_END + HOUR)
     reader.close()
@@ -317,7 +317,7 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
     mine = pairs[pairs.user_id == user]
     unknown = np.arange(10**6, 10**6 + 20)
     items = np.concatenate([mine.item_id.to_numpy(), unknown])
-    reader = FeatureReader(store, version, dim, budget_ms=200, misses_dir=tmp_path / "offline" / "misses")
+    reader = FeatureReader(store, version, dim, budget_ms=200, misses_dir=tmp_path / "offline" / "misses", tiers=FALLBACKS)
 
     f = reader.read(user, items, ML_END + HOUR)
     n = len(mine)
@@ -356,7 +356,7 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
     with pytest.raises(ValueError, match=r"unknown fallback tiers \['pair'\]"):
         FeatureReader(store, version, dim, misses=None, tiers=("pair",))
     # Another model version than the VM's is never served.
-    other = FeatureReader(store, "fm-000000000000+ae-000000000000", dim, misses=None)
+    other = FeatureReader(store, "fm-000000000000+ae-000000000000", dim, misses=None, tiers=FALLBACKS)
     h = other.read(user, items, ML_END + HOUR)
     assert set(h.tier_names()) == {"none"} and not h.embeddings.any()
     assert other.metrics.counts["pair_other_version"] == n and other.metrics.counts["pair_missing"] == len(unknown)
@@ -378,7 +378,7 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
 
     # A store that is down, or slower than the budget, fails open: zeros, tier none, counted, no exception; and
     # queues no misses (an outage would flood the queue with pairs that may well be in the store).
-    down = FeatureReader(store, version, dim, budget_ms=50, misses=ParquetSink(tmp_path / "down_misses"))
+    down = FeatureReader(store, version, dim, budget_ms=50, misses=ParquetSink(tmp_path / "down_misses"), tiers=FALLBACKS)
     assert down.read(user, items, ML_END + HOUR).tier_names()[0] == "pair"
     if store.kind == "redis":
         pause = redis.Redis(port=redis_server.port)
@@ -406,7 +406,7 @@ def test_serving_tiers_ttl_version_misses_and_fail_open(pair_ttl_4h, ml_run, sto
         assert dead.failed_open and set(dead.tier_names()) == {"none"}
         # The cooldown on an injected clock (a replay's request clock): skipped until 60 s later on that clock.
         now = [0.0]
-        replayed = FeatureReader(store, version, dim, cooldown_s=60.0, misses=None, clock=lambda: now[0])
+        replayed = FeatureReader(store, version, dim, cooldown_s=60.0, misses=None, clock=lambda: now[0], tiers=FALLBACKS)
         assert replayed.read(user, items, ML_END + HOUR).failed_open
         now[0] = 59.0
         store.sqlite_path.with_suffix(".moved").rename(store.sqlite_path)
@@ -438,7 +438,7 @@ def test_ranker_scores_with_solaris_features(ml_run, movielens_root, ml_models, 
     pairs = off["pair_embeddings"]
     user = int(pairs.user_id.value_counts().index[0])
     items = np.concatenate([pairs[pairs.user_id == user].item_id.to_numpy(), [1, 2, 3]])
-    reader = FeatureReader(store, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None)
+    reader = FeatureReader(store, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None, tiers=FALLBACKS)
     ranker = Ranker(vm_path, reader, Counters(movielens_root, ML_END))
     with_f = ranker.score(user, items, ML_END + HOUR)
     without = ranker.score(user, items, ML_END + HOUR, use_features=False)
@@ -446,7 +446,7 @@ def test_ranker_scores_with_solaris_features(ml_run, movielens_root, ml_models, 
     assert with_f.scores.shape == (len(items),) and ((with_f.scores > 0) & (with_f.scores < 1)).all()
     assert not np.allclose(with_f.scores, without.scores)     # the features reach the model
     with pytest.raises(ValueError, match="takes embeddings"):
-        Ranker(vm_path, FeatureReader(store, "fm-x+ae-y", 8, misses=None), Counters(movielens_root, ML_END))
+        Ranker(vm_path, FeatureReader(store, "fm-x+ae-y", 8, misses=None, tiers=FALLBACKS), Counters(movielens_root, ML_END))
     reader.close()
 
     res = CliRunner().invoke(main, ["rank", "--vm", str(vm_path), "--data", str(movielens_root),
@@ -478,7 +478,7 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
         user = int(pairs.user_id.value_counts().index[0])
         mine = pairs[pairs.user_id == user]
         reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None,
-                               cooldown_s=0)
+                               cooldown_s=0, tiers=FALLBACKS)
         items = np.concatenate([mine.item_id.to_numpy(), [10**6]])
         f = reader.read(user, items, ML_END + HOUR)
         assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"]
@@ -586,7 +586,7 @@ def test_writer_and_reader_as_context_managers_close_what_they_open(kind, redis_
             w.conn.execute("SELECT 1")
     w.close()
     assert t in materialized_intervals(cfg)
-    with FeatureReader(cfg, "v1", 4, misses=None) as reader:
+    with FeatureReader(cfg, "v1", 4, misses=None, tiers=FALLBACKS) as reader:
         f = reader.read(7, [10, 11, 12], t + pd.Timedelta(minutes=1))
         opened = reader._own.raw if kind == "redis" else reader._own.sqlite
     assert f.tier_names() == ["pair", "pair", "none"]
@@ -817,7 +817,7 @@ def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch,
         user = int(pairs.user_id.value_counts().index[0])
         mine = pairs[pairs.user_id == user]
         unknown = np.arange(10**6, 10**6 + 5)
-        reader = FeatureReader(cfg, version, dim, budget_ms=1000)          # misses to the Redis stream
+        reader = FeatureReader(cfg, version, dim, budget_ms=1000, tiers=FALLBACKS)          # misses to the Redis stream
         f = reader.read(user, np.concatenate([mine.item_id.to_numpy(), unknown]), ML_END + HOUR)
         assert f.tier_names() == ["pair"] * len(mine) + ["user_aggregate"] * len(unknown)
         np.testing.assert_array_equal(f.embeddings[:len(mine)], np.stack(mine.embedding))
@@ -837,7 +837,7 @@ def test_redis_with_a_password_and_tls_end_to_end(ml_run, tmp_path, monkeypatch,
                                                    f'"{server.url},password=s3cret-pw"'))
         with pytest.raises(redis.ConnectionError):
             materialize(plain, job.offline, ML_END, expire_from="write", timeout_s=2)
-        down = FeatureReader(wrong, version, dim, budget_ms=200, misses=None)
+        down = FeatureReader(wrong, version, dim, budget_ms=200, misses=None, tiers=FALLBACKS)
         g = down.read(user, mine.item_id.to_numpy(), ML_END + HOUR)
         assert g.failed_open and set(g.tier_names()) == {"none"}
         down.close()
@@ -878,10 +878,10 @@ def test_one_reader_shared_by_threads_serves_what_it_serves_alone(ml_run, store)
     users = pairs.user_id.value_counts().index[:16].to_numpy()
     extra = np.arange(10**6, 10**6 + 30)
     requests = [(int(u), np.concatenate([pairs.item_id[pairs.user_id == u].to_numpy(), extra])) for u in users]
-    alone = FeatureReader(store, version, dim, budget_ms=2000, misses=None)
+    alone = FeatureReader(store, version, dim, budget_ms=2000, misses=None, tiers=FALLBACKS)
     want = [alone.read(u, items, ML_END + HOUR) for u, items in requests]
     alone.close()
-    shared = FeatureReader(store, version, dim, budget_ms=2000, misses=None)
+    shared = FeatureReader(store, version, dim, budget_ms=2000, misses=None, tiers=FALLBACKS)
     rounds = 25
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda k: (k % len(requests), shared.read(*requests[k % len(requests)], ML_END + HOUR)),
