@@ -318,7 +318,7 @@ def test_a_smaller_budget_derived_by_masking_equals_its_own_replay(tiny_eval, sp
     root = out / "data-seq0.5"
     s = refresh_settings(TINY, root, tmp_path / "offline", out / "seed0" / "models", TINY.budget)
     plan = replay.ReplayPlan(P.t1, P.t3, pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.delay), ttls(TINY),
-                             TINY.serving_budget_ms, TINY.serving_cooldown_s, TINY.serving_store)
+                             TINY.serving_budget_ms, TINY.serving_cooldown_s, TINY.serving_store, tuple(TINY.tiers))
     events = event_source.EventTable(events_mod.read_events(root))
     direct = replay.run(spark, s, events, models, plan, tmp_path / "direct")
     # The events' Spark copy is one partition per core, not one per Arrow batch of 10,000 rows (every step scans
