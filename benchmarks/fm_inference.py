@@ -48,8 +48,10 @@ def inputs(users: int, per_user: int, n_items: int, history_len: int, seed: int 
     }
 
 
-def run_setting(fm, ae, data: dict, batch: int, mode: str, shared: bool) -> tuple[float, np.ndarray]:
-    """Seconds for all pairs in batches of about ``batch`` pairs (whole users), and the codes."""
+def make_batches(data: dict, batch: int, shared: bool = True, device="cpu") -> list:
+    """The pairs of ``data`` in batches of about ``batch`` pairs (whole users, as the embed step makes them) as
+    tensors on ``device``: with ``shared``, each user's history once and the rows index (``forward(rows=...)``),
+    else each pair's history repeated (rows None)."""
     import torch
 
     from models import batch_to_tensors
@@ -64,9 +66,16 @@ def run_setting(fm, ae, data: dict, batch: int, mode: str, shared: bool) -> tupl
         rows = data["rows"][lo:hi] - sl.start
         hist = {k: data[k][sl] for k in ("hist_item", "hist_signal", "hist_gap")}
         if shared:
-            batches.append((batch_to_tensors({**b, **hist}), torch.as_tensor(rows)))
+            batches.append((batch_to_tensors({**b, **hist}, device), torch.as_tensor(rows, device=device)))
         else:
-            batches.append((batch_to_tensors({**b, **{k: v[rows] for k, v in hist.items()}}), None))
+            batches.append((batch_to_tensors({**b, **{k: v[rows] for k, v in hist.items()}}, device), None))
+    return batches
+
+
+def run_setting(fm, ae, data: dict, batch: int, mode: str, shared: bool) -> tuple[float, np.ndarray]:
+    """Seconds for all pairs in batches of about ``batch`` pairs (whole users), and the codes."""
+    import torch
+    batches = make_batches(data, batch, shared)
     ctx = torch.inference_mode if mode == "inference_mode" else torch.no_grad
     out = []
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fm_inference import inputs  # noqa: E402
+from fm_inference import inputs, make_batches  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 
@@ -34,20 +34,9 @@ OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 def run(fm, ae, data: dict, device: str, batch: int, bf16: bool, repeats: int) -> tuple[float, np.ndarray]:
     """Best pairs/s over ``repeats`` and the codes, on ``device`` in batches of about ``batch`` pairs."""
     import torch
-
-    from models import batch_to_tensors
-    from solaris_jobs.pipeline.inference import user_batches
     dev = torch.device(device)
     fm, ae = fm.to(dev), ae.to(dev)
-    per_user = np.bincount(data["rows"])
-    starts = np.concatenate([[0], np.cumsum(per_user)])
-    pair_keys = [k for k in data if k not in ("hist_item", "hist_signal", "hist_gap", "rows")]
-    batches = []
-    for sl in user_batches(per_user, batch):
-        lo, hi = starts[sl.start], starts[sl.stop]
-        b = {**{k: data[k][lo:hi] for k in pair_keys}, **{k: data[k][sl] for k in ("hist_item", "hist_signal",
-                                                                                      "hist_gap")}}
-        batches.append((batch_to_tensors(b, dev), torch.as_tensor(data["rows"][lo:hi] - sl.start, device=dev)))
+    batches = make_batches(data, batch, shared=True, device=dev)
     best, codes = 0.0, None
     for _ in range(repeats):
         out = []

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common import SideEmbedding, counter_features, fm_loss
+from models.protocol import WidthsFromConfig
 from solaris_jobs.core.contract import N_GAP_BUCKETS, N_SIGNALS
 
 
@@ -36,7 +37,7 @@ class FMConfig:
     target_user: bool = False       # the trunk also takes target * user (#40's search chooses it on validation)
 
 
-class FoundationModel(nn.Module):
+class FoundationModel(WidthsFromConfig, nn.Module):
     # The reduced precision its inference may run in on a GPU (autocast), once ``benchmarks/gpu_check.py`` has shown
     # its codes within tolerance of float32's on a GPU; None (float32) until a GPU run has shown it.
     mixed_precision: str | None = None
@@ -106,27 +107,6 @@ class FoundationModel(nn.Module):
         h = self.trunk(z)                                                   # (B, d_interaction)
         return {"logit": self.label_head(h).squeeze(-1), "rating": 1.0 + 4.0 * torch.sigmoid(
             self.rating_head(h).squeeze(-1)), "h": h}
-
-    # The FM protocol (models.protocol): output widths, history length, item vectors.
-    @property
-    def width(self) -> int:
-        return self.cfg.d_interaction
-
-    @property
-    def user_width(self) -> int:
-        return 2 * self.cfg.d_model
-
-    @property
-    def item_width(self) -> int:
-        return self.cfg.d_model
-
-    @property
-    def history_len(self) -> int:
-        return self.cfg.history_len
-
-    def item_embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """(N, d_model): the items' embeddings (id and side features)."""
-        return self.items(ids)
 
     def user_embedding(self, b: dict) -> torch.Tensor:
         """(B, 2 * d_model): L2-normalised [mean encoded history, user vector], no target item."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common import SideEmbedding, counter_features, fm_loss
+from models.protocol import WidthsFromConfig
 from solaris_jobs.core.contract import N_GAP_BUCKETS, N_SIGNALS
 
 
@@ -32,7 +33,7 @@ class GRUConfig:
     target_user: bool = False
 
 
-class GRU4RecFM(nn.Module):
+class GRU4RecFM(WidthsFromConfig, nn.Module):
     mixed_precision: str | None = None          # float32 until a GPU run shows otherwise (benchmarks/gpu_check.py)
 
     def __init__(self, cfg: GRUConfig):
@@ -49,26 +50,6 @@ class GRU4RecFM(nn.Module):
             nn.Linear(2 * cfg.d_interaction, cfg.d_interaction), nn.GELU())
         self.label_head = nn.Linear(cfg.d_interaction, 1)
         self.rating_head = nn.Linear(cfg.d_interaction, 1)
-
-    # The FM protocol's attributes.
-    @property
-    def width(self) -> int:
-        return self.cfg.d_interaction
-
-    @property
-    def user_width(self) -> int:
-        return 2 * self.cfg.d_model
-
-    @property
-    def item_width(self) -> int:
-        return self.cfg.d_model
-
-    @property
-    def history_len(self) -> int:
-        return self.cfg.history_len
-
-    def item_embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.items(ids)
 
     def summarise(self, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(last state, mean state over the real events), each (B, d), of the batch's histories (B, L), which are

@@ -44,6 +44,32 @@ class FMProtocol(Protocol):
     def item_embedding(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
+class WidthsFromConfig:
+    """The protocol's attributes of an FM whose config has ``d_model``, ``d_interaction`` and ``history_len`` and
+    whose item embedding is ``self.items`` (both families here): h is ``d_interaction`` wide, the user embedding
+    ``2 x d_model`` ([history summary, user vector]), the items ``d_model``."""
+
+    @property
+    def width(self) -> int:
+        return self.cfg.d_interaction
+
+    @property
+    def user_width(self) -> int:
+        return 2 * self.cfg.d_model
+
+    @property
+    def item_width(self) -> int:
+        return self.cfg.d_model
+
+    @property
+    def history_len(self) -> int:
+        return self.cfg.history_len
+
+    def item_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """(N, d_model): the items' embeddings (id and side features)."""
+        return self.items(ids)
+
+
 class FMRefused(ValueError):
     """An FM that does not keep the protocol's contract: the message names the FM and the check."""
 

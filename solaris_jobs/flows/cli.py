@@ -299,6 +299,57 @@ def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, repor
         click.echo(headline_table(report))
 
 
+def _log_protocol(cfg):
+    """The protocol of ``cfg``'s own log (``--data``), its dates checked against it: before any Spark or training."""
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.evaluation.windows import protocol_of
+    return protocol_of(cfg, ev.read_events(cfg.data_root, columns=["user_id", "item_id", "event_timestamp"]))
+
+
+def _own_log_config(data_root, times, split):
+    """The evaluation of a log of the user's own (``--data``, ``--times``, ``--split``), its dates checked now."""
+    from solaris_jobs.evaluation.config import path_config
+    given = {}
+    if times:
+        given["times"] = tuple(x.strip() for x in times.split(","))
+    if split:
+        try:
+            q = tuple(float(x) for x in split.split(","))
+        except ValueError:
+            raise click.BadParameter(f"not two numbers: {split!r}", param_hint="--split")
+        if len(q) != 2 or not 0 < q[0] < q[1] < 1:
+            raise click.BadParameter(f"two quantiles 0 < q1 < q2 < 1, got {split!r}", param_hint="--split")
+        given["split"] = q
+    cfg = path_config(Path(data_root).resolve(), **given)
+    _log_protocol(cfg)
+    return cfg
+
+
+def _with_fm(cfg, fm, checkpoint, possibly_leaky):
+    """``cfg`` with the FM of ``--fm``: a family to train, or a factory of the user's own FM taken as it is from
+    ``--fm-checkpoint`` (refused now if its factory does not resolve or it saw the replay or test)."""
+    from dataclasses import replace
+    if fm and ":" in fm:
+        if not checkpoint:
+            raise click.UsageError("--fm package.module:factory takes your FM from --fm-checkpoint")
+        from solaris_jobs.evaluation.protocol import check_training_end
+        from solaris_jobs.pipeline.model_refs import load_fm
+        cfg = replace(cfg, fm_checkpoint=str(Path(checkpoint).resolve()), fm_factory=fm, possibly_leaky=possibly_leaky)
+        meta = load_fm(cfg.fm_checkpoint, fm)[1]
+        if cfg.dataset == "path":
+            check_training_end(meta, _log_protocol(cfg), possibly_leaky, checkpoint)
+        return cfg
+    if checkpoint or possibly_leaky:
+        raise click.UsageError("--fm-checkpoint and --possibly-leaky go with --fm package.module:factory")
+    if fm:
+        from models.checkpoint import FM_FAMILIES
+        if fm not in FM_FAMILIES:
+            raise click.BadParameter(f"{fm!r} is neither a family ({', '.join(FM_FAMILIES)}) nor a "
+                                     f"package.module:factory", param_hint="--fm")
+        cfg = replace(cfg, models=replace(cfg.models, fm_family=fm))
+    return cfg
+
+
 @main.command("evaluate")
 @click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth")
 @click.option("--data", "data_root", default=None, type=click.Path(exists=True, file_okay=False),
@@ -337,7 +388,7 @@ def evaluate_cmd(dataset, data_root, times, split, fm_family, fm_checkpoint, pos
     served row, with paired-bootstrap intervals. Writes report.json, report.md (with plots) and report.html (one self-contained page)."""
     from dataclasses import replace
 
-    from solaris_jobs.evaluation.config import EvalConfig, movielens_config, path_config, quick_config
+    from solaris_jobs.evaluation.config import EvalConfig, movielens_config, quick_config
     from solaris_jobs.evaluation.report import headline_table
     from solaris_jobs.evaluation.run import evaluate
     if (times or split) and not data_root:
@@ -345,53 +396,12 @@ def evaluate_cmd(dataset, data_root, times, split, fm_family, fm_checkpoint, pos
     if data_root:
         if dataset != "synth" or users:
             raise click.UsageError("--data evaluates your log: it takes no --dataset or --users")
-        given = {}
-        if times:
-            given["times"] = tuple(x.strip() for x in times.split(","))
-        if split:
-            try:
-                q = tuple(float(x) for x in split.split(","))
-            except ValueError:
-                raise click.BadParameter(f"not two numbers: {split!r}", param_hint="--split")
-            if len(q) != 2 or not 0 < q[0] < q[1] < 1:
-                raise click.BadParameter(f"two quantiles 0 < q1 < q2 < 1, got {split!r}", param_hint="--split")
-            given["split"] = q
-        cfg = path_config(Path(data_root).resolve(), **given)
-        # The dates checked against the log now, before any Spark or training starts.
-        from solaris_jobs.core import events as ev
-        from solaris_jobs.evaluation.windows import protocol_of
-        protocol_of(cfg, ev.read_events(cfg.data_root, columns=["user_id", "item_id", "event_timestamp"]))
-        if quick:
-            cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
-    elif dataset == "movielens":
-        cfg = movielens_config()
-        if quick:
-            cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
+        cfg = _own_log_config(data_root, times, split)
     else:
-        cfg = quick_config() if quick else EvalConfig()
-    if fm_family and ":" in fm_family:
-        if not fm_checkpoint:
-            raise click.UsageError("--fm package.module:factory takes your FM from --fm-checkpoint")
-        from solaris_jobs.evaluation.protocol import check_training_end
-        from solaris_jobs.pipeline.model_refs import load_fm
-        cfg = replace(cfg, fm_checkpoint=str(Path(fm_checkpoint).resolve()), fm_factory=fm_family,
-                      possibly_leaky=possibly_leaky)
-        # Refused now (a factory that does not resolve, an FM that saw the replay or test) rather than after hours.
-        if cfg.dataset == "path":
-            from solaris_jobs.core import events as ev
-            from solaris_jobs.evaluation.windows import protocol_of
-            p = protocol_of(cfg, ev.read_events(cfg.data_root, columns=["user_id", "item_id", "event_timestamp"]))
-            check_training_end(load_fm(cfg.fm_checkpoint, fm_family)[1], p, possibly_leaky, fm_checkpoint)
-        else:
-            load_fm(cfg.fm_checkpoint, fm_family)
-    elif fm_family:
-        from models.checkpoint import FM_FAMILIES
-        if fm_family not in FM_FAMILIES:
-            raise click.BadParameter(f"{fm_family!r} is neither a family ({', '.join(FM_FAMILIES)}) nor a "
-                                     f"package.module:factory", param_hint="--fm")
-        cfg = replace(cfg, models=replace(cfg.models, fm_family=fm_family))
-    elif fm_checkpoint or possibly_leaky:
-        raise click.UsageError("--fm-checkpoint and --possibly-leaky go with --fm package.module:factory")
+        cfg = movielens_config() if dataset == "movielens" else quick_config() if quick else EvalConfig()
+    if quick and dataset == "movielens" or quick and data_root:
+        cfg = replace(cfg, seeds=(0,), n_boot=200, curves=False)
+    cfg = _with_fm(cfg, fm_family, fm_checkpoint, possibly_leaky)
     kw = {"spark_master": master}
     if seeds:
         kw["seeds"] = () if seeds == "none" else tuple(int(x) for x in seeds.split(","))
