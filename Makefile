@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine (Debian 12, Python 3.11, root or sudo for apt):
-#   make demo   the main job (MovieLens-100K, embedded defaults)
+#   make demo   the main job (synthetic ad-like traffic, embedded defaults; `make demo-movielens`: real data)
 #   make test   the whole test suite (installs redis-server, Java 17, chromium and its driver if missing, and the
 #               S3 test server)
 # A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change, or TORCH.
@@ -38,7 +38,7 @@ PYTEST_ARGS ?=
 # keeps a 2-core machine about 70% idle (Spark, JVM and Airflow start-ups wait): BENCHMARKS.md "Suite durations".
 TEST_WORKERS ?= 2
 
-.PHONY: demo test venv sysdeps browserdeps clean airflow
+.PHONY: demo demo-movielens test venv sysdeps browserdeps clean airflow
 
 venv: $(STAMP)
 
@@ -67,18 +67,23 @@ browserdeps:
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 
 demo: $(STAMP) sysdeps
-	$(BIN)/solaris demo --workdir artifacts/demo
+	$(BIN)/solaris demo --workdir artifacts/demo --reports reports/quick
+
+# MovieLens-100K: real data, where pairs never recur (what SOLARIS cannot do for such a log).
+demo-movielens: $(STAMP) sysdeps
+	$(BIN)/solaris demo --dataset movielens --workdir artifacts/demo-movielens
 
 test: $(STAMP) $(S3STAMP) sysdeps browserdeps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...),
-# pointed at the demo's data, models and offline store.
+# Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...), with
+# the settings a demo's refresh ran with (its data, models, offline store; DEMO=artifacts/demo-movielens for
+# MovieLens'): run `make demo` first.
 AIRFLOW_PORT ?= 8080
+DEMO ?= artifacts/demo
 airflow: $(STAMP)
-	SOLARIS_DATA=$(abspath artifacts/demo/data) SOLARIS_OFFLINE=$(abspath artifacts/demo/offline) \
-	SOLARIS_MODELS=$(abspath artifacts/demo/models/seed0) SOLARIS_EXPIRE_FROM=write \
-	SOLARIS_START_DATE=1998-01-01T00:00:00+00:00 SOLARIS_END_DATE=1998-04-23T00:00:00+00:00 \
+	@test -f $(DEMO)/solaris.env || { echo "no $(DEMO)/solaris.env: run make demo first"; exit 1; }
+	set -a && . $(DEMO)/solaris.env && set +a && \
 	$(BIN)/solaris airflow --home artifacts/airflow --port $(AIRFLOW_PORT)
 
 clean:

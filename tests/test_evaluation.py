@@ -531,6 +531,46 @@ def test_cached_outputs_are_reused_only_for_the_same_code_and_data(tiny_eval, tm
     assert pr.code_version(("pkgx",)) == loaded == versions[2] != pr.source_hash(("pkgx",))
 
 
+def test_the_demo_refreshes_on_the_evaluations_own_models_and_closes_on_its_figures(tiny_eval):
+    """`solaris demo`: its refresh runs on the models the quick replay then uses (one FM training), and its closing
+    table prints this run's figures, labelled as the mechanism's, and the committed full evaluation's criterion,
+    labelled as that evaluation's (or says it is not committed yet)."""
+    from solaris_jobs.evaluation.run import seed_models
+    from solaris_jobs.flows.demo import closing_table, refresh_cron
+    out, report = tiny_eval
+    models = out / "seed0" / "models"
+    before = {p.name: p.stat().st_mtime_ns for p in models.glob("*.pt")}
+    root, P, mdir, metrics = seed_models(TINY, out, 0)
+    assert mdir == models and {p.name: p.stat().st_mtime_ns for p in models.glob("*.pt")} == before
+    norm = lambda x: json.loads(json.dumps(x, default=str))
+    assert norm(metrics) == norm(report["per_seed"][0]["models"]) and P.to_dict() == report["protocol"]
+
+    s, ps = report["summary"][0], report["per_seed"][0]
+    lat = ps["replay"]["serving_latency_ms"]
+    assert lat["latency_p99_ms"] >= lat["latency_p50_ms"] > 0
+    table = closing_table(report, None)
+    assert "this size shows the mechanism, not the claim" in table
+    assert f"p50 {lat['latency_p50_ms']:.2f} ms, p99 {lat['latency_p99_ms']:.2f} ms" in table
+    assert f"{s['fm_per_row']:.2f} pairs" in table and f"{s['fm_total_per_row']:.2f} with the user" in table
+    assert all(f"{t} {v:.2f}" in table for t, v in s["coverage"]["shares"].items() if v)
+    test = ps["headline"]["test"]["variants"]
+    assert f"VM {s['bce']['vm']:.4f} [{test['vm']['bce_ci'][0]:+.4f}" in table and f"KD {s['bce']['vm_kd']:.4f}" in table
+    assert f"{s['dbce_criterion']['value']:+.5f}" in table
+    assert "not yet committed under the current protocol" in table
+
+    seeds = [dict(s, seed=k) for k in range(5)]       # a committed evaluation of five seeds, this one's figures
+    committed = {"config": report["config"], "summary": seeds, "targets": check_targets(seeds)}
+    crit = committed["targets"]["across_seeds"]["criterion"]
+    table = closing_table(report, committed)
+    assert "the committed full evaluation" in table and "seeds 0,1,2,3,4; not this run" in table
+    assert f"{crit['value']:+.5f} [{crit['ci'][0]:+.5f}, {crit['ci'][1]:+.5f}]" in table
+    assert ("met" if crit["met"] else "missed") in table.split(crit["statistic"])[1]
+
+    assert refresh_cron(pd.Timedelta("2h")) == "0 */2 * * *" and refresh_cron(pd.Timedelta("1d")) == "0 0 * * *"
+    with pytest.raises(ValueError, match="whole number of hours dividing 24"):
+        refresh_cron(pd.Timedelta("90min"))
+
+
 def test_reports_of_seeds_run_apart_merge_into_one_and_refuse_other_evaluations(tiny_eval, tmp_path):
     """``solaris evaluate-merge``: seeds run on other machines or sessions join one report; the summary and targets
     are recomputed over all seeds; a repeated seed or another evaluation's settings is refused by name."""

@@ -129,9 +129,11 @@ def warm_from(head_offline: str, refreshes: list[dict], every: pd.Timedelta, ttl
 
 
 def replay_summary(rec: dict) -> dict:
-    """A replay's record in brief: refreshes, rows, requests, what was served, refresh latencies, wall time."""
+    """A replay's record in brief: refreshes, rows, requests, what was served and the reads' latency (p50, p99 ms),
+    refresh latencies, wall time."""
     lat = [r["latency_s"] for r in rec["refreshes"]]
     return {"refreshes": len(rec["refreshes"]), "rows": rec["rows"], "requests": rec["requests"],
-            "serving": rec["serving"]["counts"], "latency_s": {"mean": float(np.mean(lat)), "max": float(max(lat))},
+            "serving": rec["serving"]["counts"], "serving_latency_ms": rec["serving"].get("latency_ms"),
+            "latency_s": {"mean": float(np.mean(lat)), "max": float(max(lat))},
             "latency_over_delay": int(sum(r["latency_over_delay"] for r in rec["refreshes"])),
             "wall_s": rec["wall_s"]}

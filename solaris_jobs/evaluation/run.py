@@ -127,6 +127,22 @@ def evaluate(cfg: EvalConfig, out: Path, *, fresh: bool = False) -> dict:
     return write(True)
 
 
+def seed_models(cfg: EvalConfig, out: Path, seed: int):
+    """``seed``'s data set and its FM, autoencoder and verifier trained on ``[t0, t1)`` into ``out/seed<k>/models``,
+    as ``evaluate`` trains and then reuses them (the demo's refresh runs on them before its quick replay).
+    Returns (data root, protocol, models folder, the models' metrics)."""
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.evaluation.protocol import train_models
+    out = Path(out).resolve()
+    freeze_code_versions()
+    root = dataset_root(cfg, out, seed=seed)
+    protocol = protocol_of(cfg, ev.read_events(root, columns=["user_id", "item_id", "event_timestamp"]))
+    models = out / f"seed{seed}" / "models"
+    metrics = train_models(root, protocol, seed, models, cfg.models, cfg.label_delay_minutes, cfg.fm_checkpoint,
+                           cfg.fm_factory, cfg.possibly_leaky)
+    return root, protocol, models, metrics
+
+
 def choose_tiers(cfg: EvalConfig, out: Path) -> dict:
     """The tier choice (``tier_choice``) on ``cfg``'s first seed, every fallback served, into ``out`` (the headline
     evaluation's folder: its data, models, replay and VMs are shared) and returns its table: each tier's value on

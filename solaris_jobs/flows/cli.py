@@ -263,40 +263,36 @@ def train_vm(out, mode, fm_path, ae_path, fm_factory, coverage, kd_weight, verif
 
 
 @main.command("demo")
+@click.option("--dataset", type=click.Choice(["synth", "movielens"]), default="synth", show_default=True,
+              help="synth: synthetic ad-like traffic, where pairs recur (the evaluation's headline generator at the "
+                   "quick size); movielens: MovieLens-100K, real data where pairs never recur.")
 @click.option("--workdir", default="artifacts/demo", type=click.Path(file_okay=False),
-              help="Where data, checkpoints, the offline store, the Airflow home and the report go.")
-@click.option("--seeds", default="0", help="Comma-separated seeds; metrics are averaged over them.")
-@click.option("--fm-epochs", default=3)
-@click.option("--intervals", default=3, help="Hourly intervals to run the refresh DAG over (0: none).")
-@click.option("--last-end", default="1998-03-01T00:00:00Z", help="End of the last refreshed interval.")
-@click.option("--master", default="local[2]", help="Spark master for the refresh.")
-@click.option("--evaluate/--no-evaluate", default=True, help="End with the quick replay evaluation "
-                                                             "(solaris evaluate --quick).")
+              help="Where the offline store, the Airflow home and the refresh's settings (solaris.env) go "
+                   "(MovieLens: its data and checkpoints too).")
 @click.option("--reports", default="reports/quick", type=click.Path(file_okay=False),
-              help="Where the quick evaluation's report goes.")
-def demo(workdir, seeds, fm_epochs, intervals, last_end, master, evaluate, reports) -> None:
-    """The main job on MovieLens-100K: data, FM, AE, VM / VM+KD / VM+FM embedding and their comparison table,
-    then the Airflow refresh DAG (dag.test()) over a few hourly intervals into the embedded SQLite online store,
-    the coverage table, one feature read through the Feast SDK and one through the tiered serving client; then the
-    quick replay evaluation on synthetic ad-like traffic (``solaris evaluate --quick``) under ``reports/quick``."""
-    from solaris_jobs.learning.experiment import run_movielens
+              help="synth: the quick evaluation's report folder, with its data and checkpoints cached under it.")
+@click.option("--intervals", default=None, type=int,
+              help="Intervals to run the refresh DAG over (0: none; default 2 on synth, every 2 h after t1, and 3 "
+                   "hourly ones on MovieLens).")
+@click.option("--seeds", default="0", help="MovieLens: comma-separated seeds; metrics are averaged over them.")
+@click.option("--fm-epochs", default=3, help="MovieLens: the FM's epochs.")
+@click.option("--last-end", default="1998-03-01T00:00:00Z", help="MovieLens: end of the last refreshed interval.")
+@click.option("--master", default="local[2]", help="Spark master for the refresh and the replay.")
+def demo(dataset, workdir, reports, intervals, seeds, fm_epochs, last_end, master) -> None:
+    """The main job. On synthetic ad-like traffic (default): the FM, autoencoder and verifier trained once; the
+    Airflow refresh DAG (dag.test()) over the first intervals after training into the embedded SQLite online
+    store; one read through the Feast SDK and one through the tiered serving client; the quick replay evaluation
+    with the same models; and a closing table (coverage by tier, FM inferences per served row, serving latency,
+    the rankers' BCE, and the committed full evaluation's criterion). On MovieLens-100K: the rankers' offline
+    comparison and the refresh over hourly intervals, showing why SOLARIS has little to do where pairs never recur."""
+    from solaris_jobs.flows import demo as d
     workdir = Path(workdir).resolve()
-    seed_list = [int(s) for s in seeds.split(",")]
-    report = run_movielens(workdir, seed_list, fm_epochs=fm_epochs)
-    click.echo(report["table"])
-    if intervals > 0:
-        from solaris_jobs.flows.demo import run_refresh_demo
-        run_refresh_demo(workdir, workdir / "models" / f"seed{seed_list[0]}", intervals, last_end, master,
-                         echo=click.echo)
-    if evaluate:
-        from dataclasses import replace
-
-        from solaris_jobs.evaluation.config import quick_config
-        from solaris_jobs.evaluation.report import headline_table
-        from solaris_jobs.evaluation.run import evaluate as run_evaluation
-        click.echo(f"\nquick replay evaluation (synthetic ad-like traffic; solaris evaluate --quick) -> {reports}")
-        report = run_evaluation(replace(quick_config(), spark_master=master), Path(reports))
-        click.echo(headline_table(report))
+    if dataset == "synth":
+        d.synth_demo(workdir, Path(reports).resolve(), 2 if intervals is None else intervals, master,
+                     echo=click.echo)
+    else:
+        d.movielens_demo(workdir, [int(s) for s in seeds.split(",")], fm_epochs,
+                         3 if intervals is None else intervals, last_end, master, echo=click.echo)
 
 
 def _log_protocol(cfg):

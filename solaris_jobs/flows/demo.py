@@ -1,10 +1,21 @@
-"""The second half of ``solaris demo``: the real refresh DAG over MovieLens intervals with ``dag.test()`` (Airflow
-in-process, SQLite metadata DB under the workdir), the embedded SQLite online store of ``feature_repo/``, then the
-coverage table and one read through the stock Feast SDK and one through the tiered serving client."""
+"""``solaris demo``: SOLARIS at work where it applies, then what it showed in one table.
+
+On synthetic ad-like traffic (the evaluation's headline generator configuration at the quick size,
+``evaluation.config.quick_config``): the FM, autoencoder and verifier trained once on ``[t0, t1)``; the real refresh
+DAG with ``dag.test()`` (Airflow in-process, SQLite metadata DB under the workdir) over the first intervals after
+t1, with the replay's refresh settings, into the embedded SQLite online store of ``feature_repo/``; one read through
+the stock Feast SDK and one through the tiered serving client; then the quick replay evaluation with the same
+models (``solaris evaluate --quick``) and the closing table (``closing_table``).
+
+On MovieLens-100K (``--dataset movielens``, real data, where pairs never recur): the offline comparison of the
+rankers and the refresh DAG over a few daily intervals, which shows what the pair tier can and cannot reach there.
+"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -12,20 +23,28 @@ import pandas as pd
 
 from solaris_jobs.core import offline as off
 from solaris_jobs.core.contract import TIERS
-from solaris_jobs.core.settings import PrecomputeConfig, Settings, dag_env
+from solaris_jobs.core.settings import Settings, dag_env
 from solaris_jobs.flows.refresh_steps import STEPS
 from solaris_jobs.online.store_config import DEFAULT_REPO
-from solaris_jobs.online.views import FEATURE_SERVICE
+
+COMMITTED = DEFAULT_REPO.parent / "benchmarks" / "results" / "evaluation_synth.json"
+ENV_FILE = "solaris.env"          # the settings the demo's refresh ran with (``make airflow`` reads them)
 
 
-def _settings_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -> dict:
-    s = Settings(data=str(workdir / "data"), offline=str(workdir / "offline"), models=str(models),
-                 expire_from="write", spark_master=master,
-                 # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
-                 precompute=PrecomputeConfig(active_hours=168, lookback_days=None),
-                 # The demo prints its own summary: task logs and Spark's warnings would bury it.
-                 spark_log_level="ERROR")
-    return {**s.to_env(), **dag_env(start_date="1998-01-01T00:00:00+00:00", end_date=end, retries=0),
+def refresh_cron(every: pd.Timedelta) -> str:
+    """The DAG's cron for a cadence of whole hours dividing a day (``SOLARIS_REFRESH_CRON``)."""
+    hours = every / pd.Timedelta(hours=1)
+    if hours != int(hours) or 24 % int(hours):
+        raise ValueError(f"the demo's refresh runs every whole number of hours dividing 24, not {every}")
+    return "0 0 * * *" if hours == 24 else f"0 */{int(hours)} * * *"
+
+
+def refresh_env(settings: Settings, workdir: Path, start: pd.Timestamp, end: pd.Timestamp,
+                every: pd.Timedelta, ttl_env: dict | None = None) -> dict:
+    """The environment the refresh DAG's tasks run with: ``settings``, the views' TTLs, the DAG's first and last
+    interval and cron, and an Airflow home with its SQLite metadata DB under ``workdir``."""
+    return {**settings.to_env(), **(ttl_env or {}),
+            **dag_env(start_date=start, end_date=end, retries=0), "SOLARIS_REFRESH_CRON": refresh_cron(every),
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
             "AIRFLOW_HOME": str(workdir / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             # dag.test() serializes the DAG into its bundle: the DAG file must be in the dags folder.
@@ -33,20 +52,28 @@ def _settings_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{workdir / 'airflow' / 'airflow.db'}"}
 
 
-def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, master: str, echo=print) -> dict:
-    end = pd.Timestamp(last_end)
-    end = end.tz_localize("UTC") if end.tzinfo is None else end
-    os.environ.update(_settings_env(workdir, models, master, end))
+def write_env_file(path: Path, env: dict) -> None:
+    """``env``'s SOLARIS_* variables as shell assignments (``set -a; . FILE``): Airflow for real on the demo's
+    data, models and settings (``make airflow``)."""
+    lines = [f"{k}={shlex.quote(str(v))}" for k, v in sorted(env.items()) if k.startswith("SOLARIS_")]
+    path.write_text("# written by `solaris demo`: the settings its refresh ran with\n" + "\n".join(lines) + "\n")
+
+
+def run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo=print) -> list[dict]:
+    """The refresh DAG (``dag.test()``) over the intervals ending at ``ends``, with ``env``; prints each
+    interval's coverage and task times and returns each interval's report."""
+    os.environ.update(env)
     (workdir / "airflow").mkdir(parents=True, exist_ok=True)
+    write_env_file(workdir / ENV_FILE, env)
     from airflow.utils import db           # after AIRFLOW_HOME is set
     db.initdb()
     spec = importlib.util.spec_from_file_location("solaris_refresh_dag", DEFAULT_REPO.parent / "dags" /
                                                   "solaris_refresh.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    offline = Settings.from_env().offline
     rows = []
-    for k in reversed(range(intervals)):
-        e = end - pd.Timedelta(hours=k)
+    for e in ends:
         t0 = time.perf_counter()
         run = mod.dag.test(logical_date=e.to_pydatetime())      # a manual run covers the interval ending here
         tis = {ti.task_id: ti for ti in run.get_task_instances()}
@@ -55,30 +82,33 @@ def run_refresh_demo(workdir: Path, models: Path, intervals: int, last_end, mast
                                f"{ {t: ti.state for t, ti in tis.items()} }")
         secs = {t: round((ti.end_date - ti.start_date).total_seconds(), 1) for t, ti in tis.items()
                 if ti.start_date and ti.end_date}
-        rep = off.read_report(workdir / "offline", e)
-        rows.append((e, rep, secs, time.perf_counter() - t0))
-    echo(f"\nrefresh DAG (dag.test) over {intervals} hourly interval(s); offline store {workdir / 'offline'}, "
+        rows.append({"end": e, "report": off.read_report(offline, e), "seconds": secs,
+                     "wall_s": time.perf_counter() - t0})
+    echo(f"\nrefresh DAG (dag.test) over {len(ends)} interval(s); offline store {offline}, "
          f"online store {DEFAULT_REPO / 'data' / 'online_store.db'}")
-    echo(f"{'interval end':26s} {'events':>6s} {'pair':>6s} {'aggr.':>6s} {'state':>6s} {'nbr.':>6s} {'none':>6s}  "
-         f"seconds per task ({'/'.join(STEPS)}), run")
-    for e, rep, secs, wall in rows:
-        cov = rep["coverage"]
-        c = "".join(f" {cov[t]:6.2f}" if cov[t] is not None else f" {'-':>6s}"
-                    for t in TIERS)
-        steps = "/".join(f"{secs.get(t, 0):.1f}" for t in STEPS)
-        echo(f"{e.isoformat():26s} {rep['events']:6d}{c}  {steps}, {wall:.0f}")
+    echo(f"{'interval end':26s} {'events':>6s} " + " ".join(f"{t[:6]:>6s}" for t in TIERS)
+         + f"  seconds per task ({'/'.join(STEPS)}), run")
+    for r in rows:
+        cov = r["report"]["coverage"]
+        c = "".join(f" {cov[t]:6.2f}" if cov.get(t) is not None else f" {'-':>6s}" for t in TIERS)
+        steps = "/".join(f"{r['seconds'].get(t, 0):.1f}" for t in STEPS)
+        echo(f"{r['end'].isoformat():26s} {r['report']['events']:6d}{c}  {steps}, {r['wall_s']:.0f}")
     echo("coverage = share of the interval's logged rows by the tier the serving client (FeatureReader) served them "
          "at their own time from the store the interval found (TTL and model version applied)")
-    _show_reads(workdir, models, end, echo)
-    return {"intervals": [(e.isoformat(), rep, secs) for e, rep, secs, _ in rows]}
+    return rows
 
 
-def _show_reads(workdir: Path, models: Path, end: pd.Timestamp, echo) -> None:
+def show_reads(offline: Path, end: pd.Timestamp, echo=print) -> None:
+    """One feature read through the stock Feast SDK and one request through the tiered serving client."""
     from feast import FeatureStore
 
     from solaris_jobs.online import store_config
     from solaris_jobs.online.reader import FeatureReader
-    pairs = off.read_table(workdir / "offline", "pair_embeddings", end).to_pandas()
+    from solaris_jobs.online.views import FEATURE_SERVICE
+    pairs = off.read_table(offline, "pair_embeddings", end).to_pandas()
+    if pairs.empty:
+        echo(f"\nno pair embeddings in the interval ending {end}: no read to show")
+        return
     user, item = int(pairs.user_id.iloc[0]), int(pairs.item_id.iloc[0])
     spec = importlib.util.spec_from_file_location("solaris_repo_demo", DEFAULT_REPO / "solaris_repo.py")
     repo = importlib.util.module_from_spec(spec)
@@ -90,12 +120,127 @@ def _show_reads(workdir: Path, models: Path, end: pd.Timestamp, echo) -> None:
     emb = got["pair_embeddings__embedding"][0]
     echo(f"\nFeast SDK, FeatureService {FEATURE_SERVICE}, user {user} item {item}: pair embedding "
          f"[{', '.join(f'{x:.3f}' for x in emb[:4])}, ...] ({len(emb)} floats), model "
-         f"{got['pair_embeddings__model_version'][0]}, user aggregate over {got['user_aggregates__n_pairs'][0]} "
-         f"pairs, {got['neighbours__n_neighbours'][0]} neighbours")
-    cfg = store_config.load()
-    reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(emb), misses=None)
+         f"{got['pair_embeddings__model_version'][0]}")
+    reader = FeatureReader(store_config.load(), pairs.model_version.iloc[0], len(emb), misses=None)
     items = list(pairs[pairs.user_id == user].item_id[:5]) + [999_999]
-    f = reader.read(user, items, end + pd.Timedelta(minutes=30))
-    echo(f"tiered read for user {user} at {end + pd.Timedelta(minutes=30)}: "
+    at = end + pd.Timedelta(minutes=30)
+    f = reader.read(user, items, at)
+    echo(f"tiered read (FeatureReader, the product's tiers) for user {user} at {at}: "
          + ", ".join(f"{i}->{t}" for i, t in zip(items, f.tier_names())) + f" ({f.latency_ms:.1f} ms)")
     reader.close()
+
+
+def synth_demo(workdir: Path, reports: Path, intervals: int, master: str, echo=print) -> dict:
+    """The main job on synthetic ad-like traffic: models, refresh DAG, store, reads, quick replay, closing table."""
+    from dataclasses import replace
+
+    from solaris_jobs.evaluation.config import quick_config, refresh_settings, ttls
+    from solaris_jobs.evaluation.run import evaluate, seed_models
+    cfg = replace(quick_config(), spark_master=master)
+    seed = cfg.seeds[0]
+    t0 = time.perf_counter()
+    root, protocol, models_dir, metrics = seed_models(cfg, reports, seed)
+    echo(f"models trained on [{protocol.t0}, {protocol.t1}) of {root} ({time.perf_counter() - t0:.0f} s; reused "
+         f"when unchanged): FM validation BCE {metrics['fm']['valid_bce']:.4f}, verifier "
+         f"{metrics['vm']['valid_bce']:.4f}, autoencoder explained variance "
+         f"{metrics['ae']['test_explained_variance']:.3f}")
+    rows = []
+    if intervals > 0:
+        every = pd.Timedelta(cfg.cadence)
+        ends = [protocol.t1 + every * (k + 1) for k in range(intervals)]
+        settings = refresh_settings(cfg, root, workdir / "offline", models_dir, cfg.budget)
+        env = refresh_env(settings, workdir, protocol.t1, ends[-1], every, ttls(cfg))
+        rows = run_refresh(workdir, env, ends, echo)
+        show_reads(workdir / "offline", ends[-1], echo)
+    echo(f"\nquick replay evaluation with the same models (solaris evaluate --quick) -> {reports}")
+    report = evaluate(cfg, reports)
+    committed = json.loads(COMMITTED.read_text()) if COMMITTED.exists() else None
+    echo("\n" + closing_table(report, committed))
+    echo(f"\nthe quick evaluation's report: {reports / 'report.html'}")
+    return {"refresh": rows, "report": report}
+
+
+def movielens_demo(workdir: Path, seeds: list[int], fm_epochs: int, intervals: int, last_end: str, master: str,
+                   echo=print) -> dict:
+    """MovieLens-100K (real data): the rankers' offline comparison and the refresh DAG over daily intervals."""
+    from solaris_jobs.core.settings import PrecomputeConfig
+    from solaris_jobs.learning.experiment import run_movielens
+    report = run_movielens(workdir, seeds, fm_epochs=fm_epochs)
+    echo(report["table"])
+    rows = []
+    if intervals > 0:
+        models = workdir / "models" / f"seed{seeds[0]}"
+        s = Settings(data=str(workdir / "data"), offline=str(workdir / "offline"), models=str(models),
+                     expire_from="write", spark_master=master,
+                     # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
+                     precompute=PrecomputeConfig(active_hours=168, lookback_days=None),
+                     # The demo prints its own summary: task logs and Spark's warnings would bury it.
+                     spark_log_level="ERROR")
+        end = pd.Timestamp(last_end)
+        end = end.tz_localize("UTC") if end.tzinfo is None else end
+        every = pd.Timedelta(hours=1)
+        ends = [end - every * k for k in reversed(range(intervals))]
+        rows = run_refresh(workdir, refresh_env(s, workdir, pd.Timestamp("1998-01-01", tz="UTC"), end, every),
+                           ends, echo)
+        show_reads(workdir / "offline", end, echo)
+        pair = [r["report"]["coverage"].get("pair") for r in rows]
+        pair = [p for p in pair if p is not None]
+        if pair:
+            echo(f"\nWhat this shows: on MovieLens a user rates a film once, so a (user, item) pair almost never "
+                 f"comes back; the pair tier served {100 * sum(pair) / len(pair):.0f}% of the refreshed intervals' "
+                 f"rows. SOLARIS precomputes pairs that will be ranked again: on such a log it has little to do "
+                 f"(`solaris data profile` says so before a run). `make demo` shows it on traffic where pairs recur.")
+    return {"refresh": rows, "report": report}
+
+
+def _ci(ci, nd=4) -> str:
+    return f" [{ci[0]:+.{nd}f}, {ci[1]:+.{nd}f}]" if ci else ""
+
+
+def closing_table(report: dict, committed: dict | None) -> str:
+    """What the demo showed, in a few lines: this run's coverage by tier, FM inferences per served row, serving
+    latency and the rankers' test BCE with intervals (labelled: this size shows the mechanism, not the claim); then
+    the headline criterion and TRs of the committed full evaluation (``committed``), labelled as such."""
+    from solaris_jobs.evaluation.report import SHORT
+    s, ps = report["summary"][0], report["per_seed"][0]
+    cfg = report["config"]
+    sc = cfg.get("synth") or {}
+    cov = s["coverage"]
+    shares = ", ".join(f"{t} {v:.2f}" for t, v in (cov["shares"] or {}).items() if v)
+    lat = ps["replay"].get("serving_latency_ms") or {}
+    n_cand = cfg.get("n_candidates")
+    test = ps["headline"]["test"]["variants"]
+    names = [k for k in ("vm", "vm_kd", "solaris", "fm") if k in test]
+    W = 34
+    L = [f"SOLARIS on synthetic ad-like traffic (generator v{report['data'].get('generator_version', '?')}, "
+         f"sequence share {sc.get('sequence_share', '?')}), {sc.get('users', '?'):,} users over "
+         f"{sc.get('days', '?')} days, seed {s['seed']}: this size shows the mechanism, not the claim.",
+         f"{'coverage of the test rows by tier':{W}s} {shares} (any tier {cov['any_tier']:.2f}; pair tier at "
+         f"{cov['pair_of_ceiling']:.2f} of the data's ceiling {cov['ceiling']:.2f})",
+         f"{'FM inferences per served row':{W}s} {s['fm_per_row']:.2f} pairs"
+         + (f", {s['fm_total_per_row']:.2f} with the user embeddings" if s.get("fm_total_per_row") is not None
+            else ""),
+         f"{'serving latency (Redis, FeatureReader)':{W}s} "
+         + (f"p50 {lat['latency_p50_ms']:.2f} ms, p99 {lat['latency_p99_ms']:.2f} ms per request of {n_cand} "
+            f"candidates ({ps['replay']['requests']:,} requests)" if lat else "-"),
+         f"{'test BCE [95% interval over users]':{W}s} "
+         + "; ".join(f"{SHORT.get(k, k.upper())} {test[k]['bce']:.4f}{_ci(test[k]['bce_ci'])}" for k in names)]
+    c = s.get("dbce_criterion")
+    if c:
+        L.append(f"{'dBCE(all tiers) - 1.5 dBCE(KD)':{W}s} {c['value']:+.5f}{_ci(c['ci'], 5)} (this seed; users "
+                 f"resampled)")
+    a = ((committed or {}).get("targets") or {}).get("across_seeds")
+    if not a:
+        L.append("the full evaluation (5,000 users, >= 5 seeds, benchmarks/results/evaluation_synth.json): not yet "
+                 "committed under the current protocol (#40); BENCHMARKS.md says where it stands")
+        return "\n".join(L)
+    cs = committed["config"].get("synth") or {}
+    crit = a["criterion"]
+    L.append(f"the committed full evaluation (benchmarks/results/evaluation_synth.json: {cs.get('users', '?'):,} "
+             f"users, seeds {','.join(str(x) for x in a['seeds'])}; not this run):")
+    L.append(f"{'  ' + crit['statistic']:{W}s} {crit['value']:+.5f}{_ci(crit['ci'], 5)} (seeds and users "
+             f"resampled): " + {True: "met", False: "missed", None: "not decided"}[crit.get("met")])
+    trs = [(k, [p["tr"].get(k) for p in committed["summary"]]) for k in ("solaris", "vm_kd")]
+    L.append(f"{'  TR per seed':{W}s} " + "; ".join(
+        f"{SHORT.get(k, k)} " + ", ".join("-" if x is None else f"{x:.2f}" for x in xs) for k, xs in trs))
+    return "\n".join(L)
