@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shlex
 import time
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -60,10 +62,24 @@ def write_env_file(path: Path, env: dict) -> None:
 
 
 def run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo=print) -> list[dict]:
-    """The refresh DAG (``dag.test()``) over the intervals ending at ``ends``, with ``env``; prints each
-    interval's coverage and task times and returns each interval's report."""
+    """The refresh DAG (``dag.test()``) over the intervals ending at ``ends``, with ``env`` (this process's
+    environment is restored after), then one read through the Feast SDK and one through the tiered reader; prints
+    each interval's coverage and task times and returns each interval's report."""
+    saved = dict(os.environ)
     os.environ.update(env)
+    try:
+        return _run_refresh(workdir, ends, echo)
+    finally:        # what runs next in this process (the quick replay) takes its settings from itself alone
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _run_refresh(workdir: Path, ends: list[pd.Timestamp], echo) -> list[dict]:
     (workdir / "airflow").mkdir(parents=True, exist_ok=True)
+    # Nothing a user can act on: Airflow's start-up lines, and a deprecation inside FastAPI's test client, which
+    # dag.test() uses to call the execution API in-process.
+    logging.getLogger("airflow").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient` is deprecated")
     write_env_file(workdir / ENV_FILE, env)
     from airflow.utils import db           # after AIRFLOW_HOME is set
     db.initdb()
@@ -92,9 +108,11 @@ def run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo=print) 
         cov = r["report"]["coverage"]
         c = "".join(f" {cov[t]:6.2f}" if cov.get(t) is not None else f" {'-':>6s}" for t in TIERS)
         steps = "/".join(f"{r['seconds'].get(t, 0):.1f}" for t in STEPS)
-        echo(f"{r['end'].isoformat():26s} {r['report']['events']:6d}{c}  {steps}, {r['wall_s']:.0f}")
+        empty = " (the store was empty: nothing to serve yet)" if r["report"].get("store_empty") else ""
+        echo(f"{r['end'].isoformat():26s} {r['report']['events']:6d}{c}  {steps}, {r['wall_s']:.0f}{empty}")
     echo("coverage = share of the interval's logged rows by the tier the serving client (FeatureReader) served them "
          "at their own time from the store the interval found (TTL and model version applied)")
+    show_reads(Path(offline), ends[-1], echo)
     return rows
 
 
@@ -148,10 +166,12 @@ def synth_demo(workdir: Path, reports: Path, intervals: int, master: str, echo=p
     if intervals > 0:
         every = pd.Timedelta(cfg.cadence)
         ends = [protocol.t1 + every * (k + 1) for k in range(intervals)]
-        settings = refresh_settings(cfg, root, workdir / "offline", models_dir, cfg.budget)
+        # The replay's refresh settings, but the DAG runs on the wall clock over a log from the past: TTLs count
+        # from the write (as for MovieLens), else every row would have expired long before it was read.
+        settings = refresh_settings(cfg, root, workdir / "offline", models_dir, cfg.budget).override(
+            expire_from="write")
         env = refresh_env(settings, workdir, protocol.t1, ends[-1], every, ttls(cfg))
         rows = run_refresh(workdir, env, ends, echo)
-        show_reads(workdir / "offline", ends[-1], echo)
     echo(f"\nquick replay evaluation with the same models (solaris evaluate --quick) -> {reports}")
     report = evaluate(cfg, reports)
     committed = json.loads(COMMITTED.read_text()) if COMMITTED.exists() else None
@@ -182,7 +202,6 @@ def movielens_demo(workdir: Path, seeds: list[int], fm_epochs: int, intervals: i
         ends = [end - every * k for k in reversed(range(intervals))]
         rows = run_refresh(workdir, refresh_env(s, workdir, pd.Timestamp("1998-01-01", tz="UTC"), end, every),
                            ends, echo)
-        show_reads(workdir / "offline", end, echo)
         pair = [r["report"]["coverage"].get("pair") for r in rows]
         pair = [p for p in pair if p is not None]
         if pair:

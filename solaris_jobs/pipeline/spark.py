@@ -27,6 +27,40 @@ def loopback_only(master: str | None, env=None) -> bool:
     return master.startswith("local")
 
 
+# Spark's own start-up lines without the default profile's banner and Hadoop's "Unable to load native-hadoop library"
+# (its native libraries are optional: nothing to act on); otherwise Spark's defaults. The session's level is the
+# settings' (setLogLevel) once it runs.
+LOG4J2 = """rootLogger.level = warn
+rootLogger.appenderRef.stdout.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+logger.jetty.name = org.sparkproject.jetty
+logger.jetty.level = warn
+logger.jetty2.name = org.sparkproject.jetty.util.component.AbstractLifeCycle
+logger.jetty2.level = error
+logger.hadoop.name = org.apache.hadoop.util.NativeCodeLoader
+logger.hadoop.level = error
+logger.parquet.name = org.apache.parquet.CorruptStatistics
+logger.parquet.level = error
+"""
+
+
+def log4j2_file() -> str:
+    """``LOG4J2`` as a file the driver's JVM reads (written once per content, atomically)."""
+    import hashlib
+    import tempfile
+    from pathlib import Path
+    path = Path(tempfile.gettempdir()) / f"solaris-log4j2-{hashlib.sha1(LOG4J2.encode()).hexdigest()[:12]}.properties"
+    if not path.exists():
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(LOG4J2)
+        os.replace(tmp, path)
+    return str(path)
+
+
 def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None, *,
                   driver_memory: str | None = None, log_level: str | None = None):
     """Returns a SparkSession (creating one if needed) configured for SOLARIS jobs.
@@ -91,6 +125,7 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
         # In local mode the driver is also the executor; ignored when the JVM is already running.
         "spark.driver.memory": driver_memory,
         "spark.ui.showConsoleProgress": "false",
+        **({} if running else {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={log4j2_file()}"}),
         **(conf or {}),
     }
     for k, v in settings.items():
