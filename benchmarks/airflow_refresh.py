@@ -1,5 +1,5 @@
 """The refresh DAG's per-task times under the real Airflow services vs the same task functions in one process,
-side by side in one run, on the demo's MovieLens data and seed-0 checkpoints (run ``make demo`` first):
+side by side in one run, on the MovieLens demo's data and seed-0 checkpoints (run ``make demo-movielens`` first):
 
 1. Airflow (``--modes``): ``LocalAirflow`` (API server, scheduler, DAG processor, triggerer; LocalExecutor, SQLite
    metadata DB on a free port, started and stopped here); the intervals are backfilled with Airflow's own
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from solaris_jobs.core.settings import Settings  # noqa: E402
 from solaris_jobs.dev.airflow_local import LocalAirflow  # noqa: E402
 from solaris_jobs.flows import refresh_steps as o  # noqa: E402
-from solaris_jobs.flows.demo import _settings_env  # noqa: E402
+from solaris_jobs.flows.demo import movielens_env  # noqa: E402
 from tests.support import feast_yaml  # noqa: E402
 
 HOUR = pd.Timedelta(hours=1)
@@ -69,7 +69,7 @@ def _airflow(mode: str, tmp: Path, work: Path, models: Path, args, start, end) -
     for f in (ROOT / "dags").glob("*.py"):
         (dags / f.name).symlink_to(f)
     (dags / "solaris_floor.py").write_text(FLOOR_DAG)
-    env = {k: v for k, v in _settings_env(d, models, args.master, end).items() if k.startswith("SOLARIS_")}
+    env = {k: v for k, v in movielens_env(d, models, args.master, end).items() if k.startswith("SOLARIS_")}
     env.update(Settings.from_env(env, data=str(work / "data"), offline=str(d / "offline"),
                                  spark_driver_memory="1g").to_env(),
                FEAST_FS_YAML_FILE_PATH=str(_sqlite_yaml(d)))
@@ -108,7 +108,8 @@ def _durations(af: LocalAirflow, dag_id: str, run_id: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", default=str(ROOT / "artifacts" / "demo"), help="the demo's workdir")
+    ap.add_argument("--workdir", default=str(ROOT / "artifacts" / "demo-movielens"),
+                    help="the MovieLens demo's workdir")
     ap.add_argument("--end", default="1998-03-01T00:00:00Z", help="end of the last interval")
     ap.add_argument("--intervals", type=int, default=2)
     ap.add_argument("--master", default="local[2]")
@@ -118,7 +119,7 @@ def main() -> None:
     work, end = Path(args.workdir).resolve(), pd.Timestamp(args.end)
     models = work / "models" / "seed0"
     if not (models / "fm.pt").exists():
-        sys.exit(f"{models}/fm.pt is missing: run `make demo` first")
+        sys.exit(f"{models}/fm.pt is missing: run `make demo-movielens` first")
     start = end - args.intervals * HOUR
     tmp = Path(tempfile.mkdtemp(prefix="solaris-bench-airflow-"))
     result = {"intervals": [(start + k * HOUR).isoformat() for k in range(1, args.intervals + 1)],
@@ -127,7 +128,7 @@ def main() -> None:
         result[f"airflow_{mode}"] = _airflow(mode, tmp, work, models, args, start, end)
 
     # The same task functions in one process (solaris backfill).
-    env = {k: v for k, v in _settings_env(tmp / "inproc", models, args.master, end).items()
+    env = {k: v for k, v in movielens_env(tmp / "inproc", models, args.master, end).items()
            if k.startswith("SOLARIS_")}
     (tmp / "inproc").mkdir(exist_ok=True)
     env.update(Settings.from_env(env, data=str(work / "data"), offline=str(tmp / "inproc" / "offline"),

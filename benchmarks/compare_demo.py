@@ -1,6 +1,6 @@
 """Compare two demo workdirs (base vs after): every published offline output (rows, sorted), stats (volatile keys
 dropped), the online SQLite store's rows, the quick evaluation's report.json (timing keys dropped).
-Usage: compare.py BASE_ROOT AFTER_ROOT   (each a checkout root with artifacts/demo and feature_repo/data)"""
+Usage: compare.py BASE_ROOT AFTER_ROOT   (each a checkout root with artifacts/demo-movielens and feature_repo/data)"""
 import json, sqlite3, sys, re
 from pathlib import Path
 import pandas as pd, pyarrow.parquet as pq, numpy as np
@@ -36,7 +36,7 @@ def diff(what, a, b):
         bad += 1
         print("DIFF", what, str(a)[:300], "|", str(b)[:300])
 A, B = Path(sys.argv[1]), Path(sys.argv[2])
-oa, ob = A / "artifacts/demo/offline", B / "artifacts/demo/offline"
+oa, ob = A / "artifacts/demo-movielens/offline", B / "artifacts/demo-movielens/offline"
 n = 0
 for ds in sorted(p.name for p in oa.iterdir() if p.is_dir()):
     for iv in sorted(p.name for p in (oa / ds).iterdir() if p.name.startswith("end=")):
@@ -73,7 +73,7 @@ for t in ra:
     a, b = ra[t], rb.get(t)
     # drop created/ written timestamps columns? compare whole rows except last-col timestamps
     diff(f"online {t} rows ({len(a)})", a, b)
-for rep in sorted((A / "artifacts/demo").rglob("report.json")):
+for rep in sorted((A / "artifacts/demo-movielens").rglob("report.json")):
     rel = rep.relative_to(A)
     if "offline" in rel.parts: continue
     diff(f"{rel}", clean(json.loads(rep.read_text())), clean(json.loads((B / rel).read_text())))

@@ -4,7 +4,8 @@ tree (driver JVM, Python driver and workers), sampled every 0.2 s. Beside it, th
 same selected pairs in a plain torch loop on one process (no Spark), with the history encoded once per pair (the
 job before #13) and once per user (the job now), to show what the Spark job adds or saves.
 
-    .venv/bin/python benchmarks/precompute_jobs.py --data artifacts/demo/data --models artifacts/demo/models/seed0 \
+    .venv/bin/python benchmarks/precompute_jobs.py --data artifacts/demo-movielens/data \
+        --models artifacts/demo-movielens/models/seed0 \
         --end 1998-03-01T00:00:00Z --active-hours 168 --lookback-days 0 --name movielens
 
 Saves benchmarks/results/precompute_<name>.json.

@@ -548,25 +548,58 @@ def test_the_demo_refreshes_on_the_evaluations_own_models_and_closes_on_its_figu
     s, ps = report["summary"][0], report["per_seed"][0]
     lat = ps["replay"]["serving_latency_ms"]
     assert lat["latency_p99_ms"] >= lat["latency_p50_ms"] > 0
+
+    def rows(table):            # label -> the rest of its line (labels are padded to a column)
+        return {ln[:40].strip(): ln[40:].strip() for ln in table.splitlines()[1:]}
     table = closing_table(report, None)
-    assert "this size shows the mechanism, not the claim" in table
-    assert f"p50 {lat['latency_p50_ms']:.2f} ms, p99 {lat['latency_p99_ms']:.2f} ms" in table
-    assert f"{s['fm_per_row']:.2f} pairs" in table and f"{s['fm_total_per_row']:.2f} with the user" in table
-    assert all(f"{t} {v:.2f}" in table for t, v in s["coverage"]["shares"].items() if v)
+    assert "this size shows the mechanism, not the claim" in table.splitlines()[0]
+    r = rows(table)
+    cov = r["coverage of the test rows by tier"]
+    assert cov.startswith(", ".join(f"{t} {v:.2f}" for t, v in s["coverage"]["shares"].items() if v))
+    assert f"any tier {s['coverage']['any_tier']:.2f}" in cov
+    assert r["FM inferences per served row"] == (f"{s['fm_per_row']:.2f} pairs, {s['fm_total_per_row']:.2f} with the "
+                                                 f"user embeddings")
+    assert r["serving latency (Redis, FeatureReader)"].startswith(
+        f"p50 {lat['latency_p50_ms']:.2f} ms, p99 {lat['latency_p99_ms']:.2f} ms per request of {TINY.n_candidates} "
+        f"candidates ({ps['replay']['requests']:,} requests)")
     test = ps["headline"]["test"]["variants"]
-    assert f"VM {s['bce']['vm']:.4f} [{test['vm']['bce_ci'][0]:+.4f}" in table and f"KD {s['bce']['vm_kd']:.4f}" in table
-    assert f"{s['dbce_criterion']['value']:+.5f}" in table
-    assert "not yet committed under the current protocol" in table
+    bces = r["test BCE [95% interval over users]"].split("; ")
+    assert bces == [f"{name} {test[k]['bce']:.4f} [{test[k]['bce_ci'][0]:+.4f}, {test[k]['bce_ci'][1]:+.4f}]"
+                    for name, k in (("VM", "vm"), ("KD", "vm_kd"), ("all tiers", "solaris"), ("FM", "fm"))]
+    c = s["dbce_criterion"]
+    assert r["dBCE(all tiers) - 1.5 dBCE(KD)"].startswith(f"{c['value']:+.5f} [{c['ci'][0]:+.5f}, {c['ci'][1]:+.5f}]")
+    assert table.splitlines()[-1].startswith("no committed full evaluation found")
+
+    # A committed evaluation written before #40's protocol (no across-seed criterion): its TRs, labelled superseded.
+    old = {"config": report["config"], "summary": [dict(s, seed=k) for k in range(3)], "targets": {}}
+    table = closing_table(report, old)
+    assert "before #40's protocol" in table and "seeds 0,1,2; not this run" in table
+    tr = lambda k: "-" if s["tr"].get(k) is None else f"{s['tr'][k]:.2f}"
+    assert rows(table)["TR per seed"] == (f"all tiers {', '.join([tr('solaris')] * 3)}; "
+                                          f"KD {', '.join([tr('vm_kd')] * 3)}")
 
     seeds = [dict(s, seed=k) for k in range(5)]       # a committed evaluation of five seeds, this one's figures
     committed = {"config": report["config"], "summary": seeds, "targets": check_targets(seeds)}
     crit = committed["targets"]["across_seeds"]["criterion"]
-    table = closing_table(report, committed)
-    assert "the committed full evaluation" in table and "seeds 0,1,2,3,4; not this run" in table
-    assert f"{crit['value']:+.5f} [{crit['ci'][0]:+.5f}, {crit['ci'][1]:+.5f}]" in table
-    assert ("met" if crit["met"] else "missed") in table.split(crit["statistic"])[1]
+    r = rows(closing_table(report, committed))
+    assert r[crit["statistic"]] == (f"{crit['value']:+.5f} [{crit['ci'][0]:+.5f}, {crit['ci'][1]:+.5f}] (seeds and "
+                                    f"users resampled): " + ("met" if crit["met"] else "missed"))
 
-    assert refresh_cron(pd.Timedelta("2h")) == "0 */2 * * *" and refresh_cron(pd.Timedelta("1d")) == "0 0 * * *"
+    # The settings file `make airflow` sources: the refresh's settings, back through a shell.
+    import subprocess
+
+    from solaris_jobs.core.settings import Settings
+    from solaris_jobs.flows.demo import refresh_env, write_env_file
+    settings = refresh_settings(TINY, root, out / "offline", models, TINY.budget).override(expire_from="write")
+    env = refresh_env(settings, out, P.t1, P.t1 + pd.Timedelta(TINY.cadence), pd.Timedelta(TINY.cadence), ttls(TINY))
+    write_env_file(out / "solaris.env", env)
+    shell = subprocess.run(["sh", "-c", f"set -a; . '{out / 'solaris.env'}'; env"], capture_output=True, text=True,
+                           check=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    got = dict(line.split("=", 1) for line in shell.splitlines() if line.startswith("SOLARIS_"))
+    assert got == {k: v for k, v in env.items() if k.startswith("SOLARIS_")}
+    assert Settings.from_env(got) == settings and got["SOLARIS_REFRESH_CRON"] == "0 */6 * * *"
+
+    assert [refresh_cron(pd.Timedelta(x)) for x in ("1h", "2h", "1d")] == ["0 * * * *", "0 */2 * * *", "0 0 * * *"]
     with pytest.raises(ValueError, match="whole number of hours dividing 24"):
         refresh_cron(pd.Timedelta("90min"))
 

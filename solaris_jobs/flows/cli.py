@@ -274,9 +274,11 @@ def train_vm(out, mode, fm_path, ae_path, fm_factory, coverage, kd_weight, verif
 @click.option("--intervals", default=None, type=int,
               help="Intervals to run the refresh DAG over (0: none; default 2 on synth, every 2 h after t1, and 3 "
                    "hourly ones on MovieLens).")
-@click.option("--seeds", default="0", help="MovieLens: comma-separated seeds; metrics are averaged over them.")
-@click.option("--fm-epochs", default=3, help="MovieLens: the FM's epochs.")
-@click.option("--last-end", default="1998-03-01T00:00:00Z", help="MovieLens: end of the last refreshed interval.")
+@click.option("--seeds", default=None, help="MovieLens: comma-separated seeds; metrics are averaged over them "
+                                             "(default 0).")
+@click.option("--fm-epochs", default=None, type=int, help="MovieLens: the FM's epochs (default 3).")
+@click.option("--last-end", default=None, help="MovieLens: end of the last refreshed interval (default "
+                                               "1998-03-01T00:00:00Z).")
 @click.option("--master", default="local[2]", help="Spark master for the refresh and the replay.")
 def demo(dataset, workdir, reports, intervals, seeds, fm_epochs, last_end, master) -> None:
     """The main job. On synthetic ad-like traffic (default): the FM, autoencoder and verifier trained once; the
@@ -288,11 +290,16 @@ def demo(dataset, workdir, reports, intervals, seeds, fm_epochs, last_end, maste
     from solaris_jobs.flows import demo as d
     workdir = Path(workdir).resolve()
     if dataset == "synth":
+        given = [f for f, v in (("--seeds", seeds), ("--fm-epochs", fm_epochs), ("--last-end", last_end)) if v]
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: MovieLens only (--dataset movielens); the synthetic demo "
+                                   f"runs the quick evaluation's configuration as it is")
         d.synth_demo(workdir, Path(reports).resolve(), 2 if intervals is None else intervals, master,
                      echo=click.echo)
     else:
-        d.movielens_demo(workdir, [int(s) for s in seeds.split(",")], fm_epochs,
-                         3 if intervals is None else intervals, last_end, master, echo=click.echo)
+        d.movielens_demo(workdir, [int(s) for s in (seeds or "0").split(",")], fm_epochs or 3,
+                         3 if intervals is None else intervals, last_end or "1998-03-01T00:00:00Z", master,
+                         echo=click.echo)
 
 
 def _log_protocol(cfg):

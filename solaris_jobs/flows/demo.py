@@ -3,12 +3,12 @@
 On synthetic ad-like traffic (the evaluation's headline generator configuration at the quick size,
 ``evaluation.config.quick_config``): the FM, autoencoder and verifier trained once on ``[t0, t1)``; the real refresh
 DAG with ``dag.test()`` (Airflow in-process, SQLite metadata DB under the workdir) over the first intervals after
-t1, with the replay's refresh settings, into the embedded SQLite online store of ``feature_repo/``; one read through
+t1, with the replay's refresh settings (TTLs counted from the write: the DAG runs on the wall clock), into the embedded SQLite online store of ``feature_repo/``; one read through
 the stock Feast SDK and one through the tiered serving client; then the quick replay evaluation with the same
 models (``solaris evaluate --quick``) and the closing table (``closing_table``).
 
 On MovieLens-100K (``--dataset movielens``, real data, where pairs never recur): the offline comparison of the
-rankers and the refresh DAG over a few daily intervals, which shows what the pair tier can and cannot reach there.
+rankers and the refresh DAG over a few hourly intervals, which shows what the pair tier can and cannot reach there.
 """
 from __future__ import annotations
 
@@ -31,22 +31,25 @@ from solaris_jobs.online.store_config import DEFAULT_REPO
 
 COMMITTED = DEFAULT_REPO.parent / "benchmarks" / "results" / "evaluation_synth.json"
 ENV_FILE = "solaris.env"          # the settings the demo's refresh ran with (``make airflow`` reads them)
+HOUR = pd.Timedelta(hours=1)
 
 
 def refresh_cron(every: pd.Timedelta) -> str:
     """The DAG's cron for a cadence of whole hours dividing a day (``SOLARIS_REFRESH_CRON``)."""
     hours = every / pd.Timedelta(hours=1)
-    if hours != int(hours) or 24 % int(hours):
+    if hours <= 0 or hours != int(hours) or 24 % int(hours):
         raise ValueError(f"the demo's refresh runs every whole number of hours dividing 24, not {every}")
-    return "0 0 * * *" if hours == 24 else f"0 */{int(hours)} * * *"
+    return {1: "0 * * * *", 24: "0 0 * * *"}.get(int(hours), f"0 */{int(hours)} * * *")
 
 
 def refresh_env(settings: Settings, workdir: Path, start: pd.Timestamp, end: pd.Timestamp,
-                every: pd.Timedelta, ttl_env: dict | None = None) -> dict:
+                every: pd.Timedelta, ttl_env: dict | None = None, catchup: bool = False) -> dict:
     """The environment the refresh DAG's tasks run with: ``settings``, the views' TTLs, the DAG's first and last
-    interval and cron, and an Airflow home with its SQLite metadata DB under ``workdir``."""
+    interval, cron and catchup (whether a scheduler runs the intervals between them), and an Airflow home with its
+    SQLite metadata DB under ``workdir``."""
     return {**settings.to_env(), **(ttl_env or {}),
             **dag_env(start_date=start, end_date=end, retries=0), "SOLARIS_REFRESH_CRON": refresh_cron(every),
+            "SOLARIS_CATCHUP": str(catchup).lower(),
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
             "AIRFLOW_HOME": str(workdir / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             # dag.test() serializes the DAG into its bundle: the DAG file must be in the dags folder.
@@ -68,18 +71,23 @@ def run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo=print) 
     saved = dict(os.environ)
     os.environ.update(env)
     try:
-        return _run_refresh(workdir, ends, echo)
+        return _run_refresh(workdir, env, ends, echo)
     finally:        # what runs next in this process (the quick replay) takes its settings from itself alone
         os.environ.clear()
         os.environ.update(saved)
 
 
-def _run_refresh(workdir: Path, ends: list[pd.Timestamp], echo) -> list[dict]:
+def _run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> list[dict]:
     (workdir / "airflow").mkdir(parents=True, exist_ok=True)
     # Nothing a user can act on: Airflow's start-up lines, and a deprecation inside FastAPI's test client, which
     # dag.test() uses to call the execution API in-process.
     logging.getLogger("airflow").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient` is deprecated")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient` is deprecated")
+        return _dag_runs(workdir, env, ends, echo)
+
+
+def _dag_runs(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> list[dict]:
     write_env_file(workdir / ENV_FILE, env)
     from airflow.utils import db           # after AIRFLOW_HOME is set
     db.initdb()
@@ -153,7 +161,7 @@ def synth_demo(workdir: Path, reports: Path, intervals: int, master: str, echo=p
     from dataclasses import replace
 
     from solaris_jobs.evaluation.config import quick_config, refresh_settings, ttls
-    from solaris_jobs.evaluation.run import evaluate, seed_models
+    from solaris_jobs.evaluation.run import eval_session, evaluate, seed_models
     cfg = replace(quick_config(), spark_master=master)
     seed = cfg.seeds[0]
     t0 = time.perf_counter()
@@ -164,13 +172,15 @@ def synth_demo(workdir: Path, reports: Path, intervals: int, master: str, echo=p
          f"{metrics['ae']['test_explained_variance']:.3f}")
     rows = []
     if intervals > 0:
+        eval_session(cfg)       # the refresh's Spark steps then run in the JVM the quick replay runs in, as it starts it
         every = pd.Timedelta(cfg.cadence)
         ends = [protocol.t1 + every * (k + 1) for k in range(intervals)]
         # The replay's refresh settings, but the DAG runs on the wall clock over a log from the past: TTLs count
         # from the write (as for MovieLens), else every row would have expired long before it was read.
         settings = refresh_settings(cfg, root, workdir / "offline", models_dir, cfg.budget).override(
             expire_from="write")
-        env = refresh_env(settings, workdir, protocol.t1, ends[-1], every, ttls(cfg))
+        # catchup: `make airflow` with these settings schedules the demo's intervals (their dates are past).
+        env = refresh_env(settings, workdir, protocol.t1, ends[-1], every, ttls(cfg), catchup=True)
         rows = run_refresh(workdir, env, ends, echo)
     echo(f"\nquick replay evaluation with the same models (solaris evaluate --quick) -> {reports}")
     report = evaluate(cfg, reports)
@@ -180,27 +190,30 @@ def synth_demo(workdir: Path, reports: Path, intervals: int, master: str, echo=p
     return {"refresh": rows, "report": report}
 
 
+def movielens_env(workdir: Path, models: Path, master: str, end: pd.Timestamp) -> dict:
+    """The refresh's environment on the MovieLens demo's data and checkpoints, hourly intervals up to ``end``."""
+    from solaris_jobs.core.settings import PrecomputeConfig
+    s = Settings(data=str(workdir / "data"), offline=str(workdir / "offline"), models=str(models),
+                 expire_from="write", spark_master=master,
+                 # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
+                 precompute=PrecomputeConfig(active_hours=168, lookback_days=None),
+                 # The demo prints its own summary: task logs and Spark's warnings would bury it.
+                 spark_log_level="ERROR")
+    return refresh_env(s, workdir, pd.Timestamp("1998-01-01", tz="UTC"), end, HOUR)
+
+
 def movielens_demo(workdir: Path, seeds: list[int], fm_epochs: int, intervals: int, last_end: str, master: str,
                    echo=print) -> dict:
-    """MovieLens-100K (real data): the rankers' offline comparison and the refresh DAG over daily intervals."""
-    from solaris_jobs.core.settings import PrecomputeConfig
+    """MovieLens-100K (real data): the rankers' offline comparison and the refresh DAG over hourly intervals."""
     from solaris_jobs.learning.experiment import run_movielens
     report = run_movielens(workdir, seeds, fm_epochs=fm_epochs)
     echo(report["table"])
     rows = []
     if intervals > 0:
-        models = workdir / "models" / f"seed{seeds[0]}"
-        s = Settings(data=str(workdir / "data"), offline=str(workdir / "offline"), models=str(models),
-                     expire_from="write", spark_master=master,
-                     # MovieLens users rate in bursts and leave: a week of activity and the whole log as history.
-                     precompute=PrecomputeConfig(active_hours=168, lookback_days=None),
-                     # The demo prints its own summary: task logs and Spark's warnings would bury it.
-                     spark_log_level="ERROR")
         end = pd.Timestamp(last_end)
         end = end.tz_localize("UTC") if end.tzinfo is None else end
-        every = pd.Timedelta(hours=1)
-        ends = [end - every * k for k in reversed(range(intervals))]
-        rows = run_refresh(workdir, refresh_env(s, workdir, pd.Timestamp("1998-01-01", tz="UTC"), end, every),
+        ends = [end - HOUR * k for k in reversed(range(intervals))]
+        rows = run_refresh(workdir, movielens_env(workdir, workdir / "models" / f"seed{seeds[0]}", master, end),
                            ends, echo)
         pair = [r["report"]["coverage"].get("pair") for r in rows]
         pair = [p for p in pair if p is not None]
@@ -210,6 +223,10 @@ def movielens_demo(workdir: Path, seeds: list[int], fm_epochs: int, intervals: i
                  f"rows. SOLARIS precomputes pairs that will be ranked again: on such a log it has little to do "
                  f"(`solaris data profile` says so before a run). `make demo` shows it on traffic where pairs recur.")
     return {"refresh": rows, "report": report}
+
+
+def _f(x, nd=2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
 
 
 def _ci(ci, nd=4) -> str:
@@ -230,12 +247,12 @@ def closing_table(report: dict, committed: dict | None) -> str:
     n_cand = cfg.get("n_candidates")
     test = ps["headline"]["test"]["variants"]
     names = [k for k in ("vm", "vm_kd", "solaris", "fm") if k in test]
-    W = 34
+    W = 40                  # the labels' column
     L = [f"SOLARIS on synthetic ad-like traffic (generator v{report['data'].get('generator_version', '?')}, "
          f"sequence share {sc.get('sequence_share', '?')}), {sc.get('users', '?'):,} users over "
          f"{sc.get('days', '?')} days, seed {s['seed']}: this size shows the mechanism, not the claim.",
-         f"{'coverage of the test rows by tier':{W}s} {shares} (any tier {cov['any_tier']:.2f}; pair tier at "
-         f"{cov['pair_of_ceiling']:.2f} of the data's ceiling {cov['ceiling']:.2f})",
+         f"{'coverage of the test rows by tier':{W}s} {shares} (any tier {_f(cov['any_tier'])}; pair tier at "
+         f"{_f(cov['pair_of_ceiling'])} of the data's ceiling {_f(cov['ceiling'])})",
          f"{'FM inferences per served row':{W}s} {s['fm_per_row']:.2f} pairs"
          + (f", {s['fm_total_per_row']:.2f} with the user embeddings" if s.get("fm_total_per_row") is not None
             else ""),
@@ -248,11 +265,23 @@ def closing_table(report: dict, committed: dict | None) -> str:
     if c:
         L.append(f"{'dBCE(all tiers) - 1.5 dBCE(KD)':{W}s} {c['value']:+.5f}{_ci(c['ci'], 5)} (this seed; users "
                  f"resampled)")
-    a = ((committed or {}).get("targets") or {}).get("across_seeds")
-    if not a:
-        L.append("the full evaluation (5,000 users, >= 5 seeds, benchmarks/results/evaluation_synth.json): not yet "
-                 "committed under the current protocol (#40); BENCHMARKS.md says where it stands")
+    if committed is None:
+        L.append("no committed full evaluation found (benchmarks/results/evaluation_synth.json)")
         return "\n".join(L)
+    a = (committed.get("targets") or {}).get("across_seeds")
+    cs = committed["config"].get("synth") or {}
+    seeds = ",".join(str(p["seed"]) for p in committed["summary"])
+    L.append(f"the committed full evaluation (benchmarks/results/evaluation_synth.json: {cs.get('users', '?'):,} users, "
+             f"seeds {seeds}; not this run)" + ("" if a else ", before #40's protocol (all seeds on one data draw, "
+                                                              "no recency inputs; superseded, kept for the record):"))
+    if a:
+        crit = a["criterion"]
+        L.append(f"{'  ' + crit['statistic']:{W}s} {crit['value']:+.5f}{_ci(crit['ci'], 5)} (seeds and users "
+                 f"resampled): " + {True: "met", False: "missed", None: "not decided"}[crit.get("met")])
+    trs = [(k, [p["tr"].get(k) for p in committed["summary"]]) for k in ("solaris", "vm_kd")]
+    L.append(f"{'  TR per seed':{W}s} " + "; ".join(
+        f"{SHORT.get(k, k)} " + ", ".join("-" if x is None else f"{x:.2f}" for x in xs) for k, xs in trs))
+    return "\n".join(L)
     cs = committed["config"].get("synth") or {}
     crit = a["criterion"]
     L.append(f"the committed full evaluation (benchmarks/results/evaluation_synth.json: {cs.get('users', '?'):,} "

@@ -1,4 +1,4 @@
-"""The offline MovieLens-100K experiment behind ``solaris demo``: FM vs VM vs VM+KD vs VM+FM embedding.
+"""The offline MovieLens-100K experiment behind ``solaris demo --dataset movielens``: FM vs VM vs VM+KD vs VM+FM embedding.
 
 Per seed: train the FM, the autoencoder on its interaction embeddings, then the VM alone, with knowledge
 distillation from the FM, and with the FM's compressed embedding as an input (every event covered). Reports test

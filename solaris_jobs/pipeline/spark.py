@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -27,38 +28,24 @@ def loopback_only(master: str | None, env=None) -> bool:
     return master.startswith("local")
 
 
-# Spark's own start-up lines without the default profile's banner and Hadoop's "Unable to load native-hadoop library"
-# (its native libraries are optional: nothing to act on); otherwise Spark's defaults. The session's level is the
-# settings' (setLogLevel) once it runs.
-LOG4J2 = """rootLogger.level = warn
-rootLogger.appenderRef.stdout.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
-logger.jetty.name = org.sparkproject.jetty
-logger.jetty.level = warn
-logger.jetty2.name = org.sparkproject.jetty.util.component.AbstractLifeCycle
-logger.jetty2.level = error
-logger.hadoop.name = org.apache.hadoop.util.NativeCodeLoader
-logger.hadoop.level = error
-logger.parquet.name = org.apache.parquet.CorruptStatistics
-logger.parquet.level = error
-"""
+LOG4J2 = Path(__file__).with_name("log4j2.properties")
 
 
-def log4j2_file() -> str:
-    """``LOG4J2`` as a file the driver's JVM reads (written once per content, atomically)."""
-    import hashlib
-    import tempfile
-    from pathlib import Path
-    path = Path(tempfile.gettempdir()) / f"solaris-log4j2-{hashlib.sha1(LOG4J2.encode()).hexdigest()[:12]}.properties"
-    if not path.exists():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}")
-        tmp.write_text(LOG4J2)
-        os.replace(tmp, path)
-    return str(path)
+def quiet_start(conf: dict | None) -> dict:
+    """The driver option that starts Spark with ``LOG4J2`` (no default-profile banner, no native-Hadoop warning),
+    unless the user configures the driver's Java options or log4j2 themselves (their conf, ``spark-defaults.conf``
+    or a ``log4j2.properties`` in ``SPARK_CONF_DIR``), or the project's path has a space: then nothing."""
+    if "spark.driver.extraJavaOptions" in (conf or {}) or " " in str(LOG4J2):
+        return {}
+    conf_dir = os.environ.get("SPARK_CONF_DIR") or (os.environ.get("SPARK_HOME") and
+                                                    os.path.join(os.environ["SPARK_HOME"], "conf"))
+    if conf_dir:
+        if os.path.exists(os.path.join(conf_dir, "log4j2.properties")):
+            return {}
+        defaults = os.path.join(conf_dir, "spark-defaults.conf")
+        if os.path.exists(defaults) and "spark.driver.extraJavaOptions" in Path(defaults).read_text():
+            return {}
+    return {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={LOG4J2}"}
 
 
 def spark_session(app_name: str = "solaris", master: str | None = None, conf: dict | None = None, *,
@@ -125,7 +112,7 @@ def spark_session(app_name: str = "solaris", master: str | None = None, conf: di
         # In local mode the driver is also the executor; ignored when the JVM is already running.
         "spark.driver.memory": driver_memory,
         "spark.ui.showConsoleProgress": "false",
-        **({} if running else {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={log4j2_file()}"}),
+        **({} if running else quiet_start(conf)),
         **(conf or {}),
     }
     for k, v in settings.items():
