@@ -282,13 +282,3 @@ def closing_table(report: dict, committed: dict | None) -> str:
     L.append(f"{'  TR per seed':{W}s} " + "; ".join(
         f"{SHORT.get(k, k)} " + ", ".join("-" if x is None else f"{x:.2f}" for x in xs) for k, xs in trs))
     return "\n".join(L)
-    cs = committed["config"].get("synth") or {}
-    crit = a["criterion"]
-    L.append(f"the committed full evaluation (benchmarks/results/evaluation_synth.json: {cs.get('users', '?'):,} "
-             f"users, seeds {','.join(str(x) for x in a['seeds'])}; not this run):")
-    L.append(f"{'  ' + crit['statistic']:{W}s} {crit['value']:+.5f}{_ci(crit['ci'], 5)} (seeds and users "
-             f"resampled): " + {True: "met", False: "missed", None: "not decided"}[crit.get("met")])
-    trs = [(k, [p["tr"].get(k) for p in committed["summary"]]) for k in ("solaris", "vm_kd")]
-    L.append(f"{'  TR per seed':{W}s} " + "; ".join(
-        f"{SHORT.get(k, k)} " + ", ".join("-" if x is None else f"{x:.2f}" for x in xs) for k, xs in trs))
-    return "\n".join(L)
