@@ -87,4 +87,4 @@ airflow: $(STAMP)
 	$(BIN)/solaris airflow --home artifacts/airflow --port $(AIRFLOW_PORT)
 
 clean:
-	rm -rf artifacts .pytest_cache
+	rm -rf artifacts reports/quick .pytest_cache
