@@ -726,11 +726,12 @@ REDIS_ENV = "SOLARIS_REDIS"
 OTHER_ENV = {REDIS_ENV: "Redis connection string expanded in feature_store.redis*.yaml"}
 
 
-def dag_env(start_date=None, end_date=None, retries=None) -> dict[str, str]:
-    """DAG scheduling variables for a local run (the demo): the first and last interval, retries."""
+def dag_env(start_date=None, end_date=None, retries=None, cron=None, catchup=None) -> dict[str, str]:
+    """DAG scheduling variables for a local run (the demo): the first and last interval, retries, cron, catchup."""
     out = {}
     for var, value in (("SOLARIS_START_DATE", start_date), ("SOLARIS_END_DATE", end_date),
-                       ("SOLARIS_RETRIES", retries)):
+                       ("SOLARIS_RETRIES", retries), ("SOLARIS_REFRESH_CRON", cron),
+                       ("SOLARIS_CATCHUP", None if catchup is None else str(catchup).lower())):
         if value is not None:
             out[var] = value.isoformat() if hasattr(value, "isoformat") else str(value)
     return out

@@ -35,7 +35,7 @@ HOUR = pd.Timedelta(hours=1)
 
 
 def refresh_cron(every: pd.Timedelta) -> str:
-    """The DAG's cron for a cadence of whole hours dividing a day (``SOLARIS_REFRESH_CRON``)."""
+    """The refresh DAG's cron for a cadence of whole hours dividing a day (``settings.dag_env``'s ``cron``)."""
     hours = every / pd.Timedelta(hours=1)
     if hours <= 0 or hours != int(hours) or 24 % int(hours):
         raise ValueError(f"the demo's refresh runs every whole number of hours dividing 24, not {every}")
@@ -48,8 +48,7 @@ def refresh_env(settings: Settings, workdir: Path, start: pd.Timestamp, end: pd.
     interval, cron and catchup (whether a scheduler runs the intervals between them), and an Airflow home with its
     SQLite metadata DB under ``workdir``."""
     return {**settings.to_env(), **(ttl_env or {}),
-            **dag_env(start_date=start, end_date=end, retries=0), "SOLARIS_REFRESH_CRON": refresh_cron(every),
-            "SOLARIS_CATCHUP": str(catchup).lower(),
+            **dag_env(start_date=start, end_date=end, retries=0, cron=refresh_cron(every), catchup=catchup),
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
             "AIRFLOW_HOME": str(workdir / "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             # dag.test() serializes the DAG into its bundle: the DAG file must be in the dags folder.
