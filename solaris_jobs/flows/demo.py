@@ -87,8 +87,27 @@ def _run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> li
         return _dag_runs(workdir, env, ends, echo)
 
 
+def _fresh_stores(offline: Path, echo) -> None:
+    """Each run replays the same past intervals, so it starts from empty stores: the embedded online store holds
+    what the last run wrote for later intervals, newer than the requests served again, which the reader refuses as
+    such (coverage 0 on a rerun). A Redis online store named in the environment is left alone (a run then finds
+    its own last rows)."""
+    import shutil
+
+    from solaris_jobs.online import store_config
+    cfg = store_config.load()
+    if cfg.kind == "sqlite" and cfg.sqlite_path.exists():
+        cfg.sqlite_path.unlink()
+    elif cfg.kind != "sqlite":
+        echo(f"note: the online store {cfg.describe()} is not emptied; rows of an earlier demo run there are newer "
+             f"than the requests served again and count as misses")
+    if offline.exists():
+        shutil.rmtree(offline)      # the demo's own (under its workdir)
+
+
 def _dag_runs(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> list[dict]:
     write_env_file(workdir / ENV_FILE, env)
+    _fresh_stores(workdir / "offline", echo)
     from airflow.utils import db           # after AIRFLOW_HOME is set
     db.initdb()
     spec = importlib.util.spec_from_file_location("solaris_refresh_dag", DEFAULT_REPO.parent / "dags" /
