@@ -531,6 +531,34 @@ def test_cached_outputs_are_reused_only_for_the_same_code_and_data(tiny_eval, tm
     assert pr.code_version(("pkgx",)) == loaded == versions[2] != pr.source_hash(("pkgx",))
 
 
+def test_the_demo_empties_only_the_stores_its_own_last_run_wrote(tmp_path, monkeypatch):
+    """A rerun of the demo replays the same intervals, so it starts from empty stores, but deletes an embedded
+    store only when its last refresh wrote it and nothing wrote it since, and its offline store only in a workdir
+    that holds its settings file; a Redis store is left alone with a note."""
+    from solaris_jobs.flows.demo import ENV_FILE, _fresh_stores, _mark_store
+    from tests.support import feast_yaml
+    db, work = tmp_path / "online.db", tmp_path / "work"
+    (work / "offline" / "x").mkdir(parents=True)
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(feast_yaml(tmp_path / "fs.yaml", f"  type: sqlite\n  path: {db}")))
+    notes = []
+    db.write_bytes(b"someone else's rows")
+    _fresh_stores(work, notes.append)                 # never marked: not the demo's; no settings file: not its workdir
+    assert db.exists() and (work / "offline" / "x").exists() and "left as it is" in notes[-1]
+    _mark_store(work)                                 # the demo's refresh wrote it last
+    (work / ENV_FILE).write_text("")
+    _fresh_stores(work, notes.append)
+    assert not db.exists() and not (work / "offline").exists() and len(notes) == 1
+    db.write_bytes(b"the demo's rows")
+    _mark_store(work)
+    db.write_bytes(b"the demo's rows, then a user's")  # written since: left alone
+    _fresh_stores(work, notes.append)
+    assert db.exists() and len(notes) == 2
+    monkeypatch.setenv("FEAST_FS_YAML_FILE_PATH", str(feast_yaml(tmp_path / "fs.yaml",
+                                                                  '  type: redis\n  connection_string: "127.0.0.1:1"')))
+    _fresh_stores(work, notes.append)
+    assert "not the embedded one" in notes[-1]
+
+
 def test_the_demo_refreshes_on_the_evaluations_own_models_and_closes_on_its_figures(tiny_eval):
     """`solaris demo`: its refresh runs on the models the quick replay then uses (one FM training), and its closing
     table prints this run's figures, labelled as the mechanism's, and the committed full evaluation's criterion,

@@ -88,9 +88,10 @@ REPLAY_INDEPENDENT = ("seeds", "sequence_shares", "budget", "budgets", "slow_cad
 
 
 def quick_config(**kw) -> EvalConfig:
-    """About ten minutes on 2 cores (``make demo``): 1,000 synthetic users over 2.5 days refreshed every 2 h, one
-    seed, small models, 4 grid points per variant, no sweep and no fast-cadence replay. Too small for the targets
-    (the small FM barely beats the VM); the same code path as the full run."""
+    """About eleven minutes on 2 cores with the curves (``make demo`` runs it without them: 7 min): 1,000
+    synthetic users over 2.5 days refreshed every 2 h, one seed, small models, 4 grid points per variant, no sweep
+    and no fast-cadence replay. Too small for the targets (the small FM barely beats the VM, if at all); the same
+    code path as the full run."""
     base = dict(synth=SynthConfig(users=1_000, items=1_000, days=2.5, seed=0), seeds=(0,), sequence_shares=(),
                 train_days=1.5, served_days=0.5, test_days=0.5, valid_hours=4.0, fm_valid_hours=6.0, cadence="2h",
                 budgets=(0.25, 0.5, 1.0), slow_cadence=2, fast_cadence=None, n_boot=200, vm_epochs=3,

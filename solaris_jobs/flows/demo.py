@@ -6,7 +6,7 @@ DAG with ``dag.test()`` (Airflow in-process, SQLite metadata DB under the workdi
 t1, with the replay's refresh settings (TTLs counted from the write: the DAG runs on the wall clock), into the embedded SQLite online store of ``feature_repo/``; one read through
 the stock Feast SDK and one through the tiered serving client; then the quick replay evaluation with the same
 models (``solaris evaluate --quick --no-curves``: the budget and cadence curves are not in the closing table and
-would add 3 of the demo's 10 minutes) and the closing table (``closing_table``).
+took 4 more minutes on 2 cores) and the closing table (``closing_table``).
 
 On MovieLens-100K (``--dataset movielens``, real data, where pairs never recur): the offline comparison of the
 rankers and the refresh DAG over a few hourly intervals, which shows what the pair tier can and cannot reach there.
@@ -28,6 +28,7 @@ from solaris_jobs.core import offline as off
 from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.settings import Settings, dag_env
 from solaris_jobs.flows.refresh_steps import STEPS
+from solaris_jobs.online import store_config
 from solaris_jobs.online.store_config import DEFAULT_REPO
 
 COMMITTED = DEFAULT_REPO.parent / "benchmarks" / "results" / "evaluation_synth.json"
@@ -87,27 +88,46 @@ def _run_refresh(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> li
         return _dag_runs(workdir, env, ends, echo)
 
 
-def _fresh_stores(offline: Path, echo) -> None:
-    """Each run replays the same past intervals, so it starts from empty stores: the embedded online store holds
-    what the last run wrote for later intervals, newer than the requests served again, which the reader refuses as
-    such (coverage 0 on a rerun). A Redis online store named in the environment is left alone (a run then finds
-    its own last rows)."""
-    import shutil
+STORE_MARK = "online_store.written"    # which embedded store the demo's last refresh wrote, and its state then
 
-    from solaris_jobs.online import store_config
+
+def _store_state(path: Path) -> str:
+    st = path.stat()
+    return json.dumps({"path": str(path.resolve()), "mtime_ns": st.st_mtime_ns, "size": st.st_size})
+
+
+def _fresh_stores(workdir: Path, echo) -> None:
+    """Each run replays the same past intervals, so it starts from empty stores where they are the demo's own: the
+    embedded online store held what the last run wrote for later intervals, newer than the requests served again,
+    which the reader refuses as such (coverage 0 on a rerun). The SQLite file is deleted only when it is the one
+    the demo's last refresh wrote and nothing wrote it since (``STORE_MARK``); the offline store only when this
+    workdir holds the demo's settings file. Any other store is left as it is, with a note."""
+    import shutil
+    cfg = store_config.load()
+    mark = workdir / STORE_MARK
+    if cfg.kind == "sqlite" and cfg.sqlite_path.exists():
+        if mark.exists() and mark.read_text() == _store_state(cfg.sqlite_path):
+            cfg.sqlite_path.unlink()
+        else:
+            echo(f"note: the online store {cfg.describe()} holds rows this demo did not write last (or was written "
+                 f"since): left as it is; rows there newer than the demo's requests count as misses")
+    elif cfg.kind != "sqlite":
+        echo(f"note: the online store {cfg.describe()} is not the embedded one: left as it is; rows an earlier demo "
+             f"run wrote there are newer than the requests served again and count as misses")
+    offline = workdir / "offline"
+    if offline.exists() and (workdir / ENV_FILE).exists():
+        shutil.rmtree(offline)
+
+
+def _mark_store(workdir: Path) -> None:
     cfg = store_config.load()
     if cfg.kind == "sqlite" and cfg.sqlite_path.exists():
-        cfg.sqlite_path.unlink()
-    elif cfg.kind != "sqlite":
-        echo(f"note: the online store {cfg.describe()} is not emptied; rows of an earlier demo run there are newer "
-             f"than the requests served again and count as misses")
-    if offline.exists():
-        shutil.rmtree(offline)      # the demo's own (under its workdir)
+        (workdir / STORE_MARK).write_text(_store_state(cfg.sqlite_path))
 
 
 def _dag_runs(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> list[dict]:
+    _fresh_stores(workdir, echo)
     write_env_file(workdir / ENV_FILE, env)
-    _fresh_stores(workdir / "offline", echo)
     from airflow.utils import db           # after AIRFLOW_HOME is set
     db.initdb()
     spec = importlib.util.spec_from_file_location("solaris_refresh_dag", DEFAULT_REPO.parent / "dags" /
@@ -128,7 +148,7 @@ def _dag_runs(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> list[
         rows.append({"end": e, "report": off.read_report(offline, e), "seconds": secs,
                      "wall_s": time.perf_counter() - t0})
     echo(f"\nrefresh DAG (dag.test) over {len(ends)} interval(s); offline store {offline}, "
-         f"online store {DEFAULT_REPO / 'data' / 'online_store.db'}")
+         f"online store {store_config.load().describe()}")
     echo(f"{'interval end':26s} {'events':>6s} " + " ".join(f"{t[:6]:>6s}" for t in TIERS)
          + f"  seconds per task ({'/'.join(STEPS)}), run")
     for r in rows:
@@ -140,6 +160,7 @@ def _dag_runs(workdir: Path, env: dict, ends: list[pd.Timestamp], echo) -> list[
     echo("coverage = share of the interval's logged rows by the tier the serving client (FeatureReader) served them "
          "at their own time from the store the interval found (TTL and model version applied)")
     show_reads(Path(offline), ends[-1], echo)
+    _mark_store(workdir)
     return rows
 
 
@@ -147,7 +168,6 @@ def show_reads(offline: Path, end: pd.Timestamp, echo=print) -> None:
     """One feature read through the stock Feast SDK and one request through the tiered serving client."""
     from feast import FeatureStore
 
-    from solaris_jobs.online import store_config
     from solaris_jobs.online.reader import FeatureReader
     from solaris_jobs.online.views import FEATURE_SERVICE
     pairs = off.read_table(offline, "pair_embeddings", end).to_pandas()
@@ -181,7 +201,7 @@ def synth_demo(workdir: Path, reports: Path, intervals: int, master: str, echo=p
 
     from solaris_jobs.evaluation.config import quick_config, refresh_settings, ttls
     from solaris_jobs.evaluation.run import eval_session, evaluate, seed_models
-    # Without the curves (3 min more on 2 cores): the replay runs at the headline budget itself, not derived from
+    # Without the curves (4 min more on 2 cores): the replay runs at the headline budget itself, not derived from
     # one at the curve's largest budget; the closing table shows no curve. `solaris evaluate --quick` draws them.
     cfg = replace(quick_config(), spark_master=master, curves=False)
     seed = cfg.seeds[0]
