@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine (Debian 12, Python 3.11, root or sudo for apt):
 #   make demo   the main job (synthetic ad-like traffic, embedded defaults; `make demo-movielens`: real data)
-#   make test   the whole test suite (installs redis-server, Java 17, chromium and its driver if missing, and the
-#               S3 test server)
+#   make test   the whole test suite (installs redis-server, Java 17, PostgreSQL, chromium and its driver if
+#               missing, and the S3 test server)
 # A second run reinstalls nothing: the venv is rebuilt only when requirements.txt or pyproject.toml change, or TORCH.
 PYTHON ?= python3.11
 VENV := .venv
@@ -38,7 +38,7 @@ PYTEST_ARGS ?=
 # keeps a 2-core machine about 70% idle (Spark, JVM and Airflow start-ups wait): BENCHMARKS.md "Suite durations".
 TEST_WORKERS ?= 2
 
-.PHONY: demo demo-movielens test venv sysdeps browserdeps clean airflow
+.PHONY: demo demo-movielens test venv sysdeps browserdeps pgdeps clean airflow
 
 venv: $(STAMP)
 
@@ -66,6 +66,11 @@ browserdeps:
 	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
 		{ apt-get update -q && apt-get install -y -q chromium chromium-driver; }
 
+# The production-topology test's Airflow metadata DB (Debian's PostgreSQL server; the tests start their own).
+pgdeps:
+	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || \
+		{ apt-get update -q && apt-get install -y -q postgresql; }
+
 demo: $(STAMP) sysdeps
 	$(BIN)/solaris demo --workdir artifacts/demo --reports reports/quick
 
@@ -73,7 +78,7 @@ demo: $(STAMP) sysdeps
 demo-movielens: $(STAMP) sysdeps
 	$(BIN)/solaris demo --dataset movielens --workdir artifacts/demo-movielens
 
-test: $(STAMP) $(S3STAMP) sysdeps browserdeps
+test: $(STAMP) $(S3STAMP) sysdeps browserdeps pgdeps
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Airflow for real with the project's DAGs (API server + UI on 127.0.0.1:$(AIRFLOW_PORT), scheduler, ...), with

@@ -705,6 +705,8 @@ def cache_dir(env=None) -> Path:
 # for the demo, which sets some of them (``dag_env``).
 SPARK_CONN_ENV = "SOLARIS_SPARK_CONN_ID"         # also read outside the DAGs: `solaris airflow` checks it
 REDIS_CONN_ENV = "SOLARIS_REDIS_CONN_ID"
+FM_QUEUE_ENV = "SOLARIS_FM_QUEUE"
+FM_POOL_ENV = "SOLARIS_FM_POOL"
 DAG_ENV = {          # their defaults are in the DAG files (and docs/configuration.md)
     "SOLARIS_REFRESH_CRON": "refresh schedule",
     "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
@@ -717,8 +719,8 @@ DAG_ENV = {          # their defaults are in the DAG files (and docs/configurati
     SPARK_CONN_ENV: "when set, the four Spark steps become SparkSubmitOperators on that connection",
     REDIS_CONN_ENV: "Airflow connection (type redis) the tasks build `SOLARIS_REDIS` from: host, port, login, "
                     "password, schema as the db number, extras as further parameters (`ssl`, `ssl_ca_certs`, ...)",
-    "SOLARIS_FM_QUEUE": "Celery queue of the FM task (GPU workers)",
-    "SOLARIS_FM_POOL": "pool of the FM task",
+    FM_QUEUE_ENV: "Celery queue of the FM task (its workers: `airflow celery worker --queues <it>`, on GPU hosts)",
+    FM_POOL_ENV: "pool of the FM task, its slots the FM's concurrent batches (`airflow pools set <it> <slots> ...`)",
 }
 
 # Named by other tools: Feast's yaml files expand it, so it is not read here.

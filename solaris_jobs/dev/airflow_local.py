@@ -10,6 +10,11 @@ settings' variables in ``env``;
 the tasks share one session of it (``SparkConnectServer.shared_url``), so its Python workers and their models are
 reused from task to task.
 
+With ``executor="celery"`` it is the production topology on one machine: CeleryExecutor with a Redis broker
+(``broker_url``) and a Postgres metadata DB (``metadata_db``, e.g. ``solaris_jobs.dev.postgres_local``); the
+scheduler queues tasks and Celery workers, started one by one with ``start_worker`` (each its own queues and
+concurrency, as on separate hosts), run them. ``fm_pool_slots`` creates the FM task's pool (``SOLARIS_FM_POOL``).
+
 Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor) and their cluster's
 Spark (Connect) endpoint; this is the project's DAGs under the real services, for trying them out and for tests.
 """
@@ -26,7 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from solaris_jobs.core.settings import PROJECT_ROOT, env_var
+from solaris_jobs.core.settings import FM_POOL_ENV, PROJECT_ROOT, env_var
 from solaris_jobs.core.ports import free_port
 
 DAGS = PROJECT_ROOT / "dags"
@@ -37,13 +42,23 @@ SQLITE_CONNECT_ARGS = {"timeout": 30}
 # The services `start` runs (each its own process); an API server alone shows an existing metadata DB (runs made by
 # dag.test(), say) in the UI and the REST API without scheduling anything.
 SERVICES = ("api-server", "scheduler", "dag-processor", "triggerer")
+EXECUTORS = {"local": "LocalExecutor", "celery": "CeleryExecutor"}
 
 
 class LocalAirflow:
     def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
                  user: str = "admin", password: str | None = None, parallelism: int = 4,
                  spark_connect: bool = False, dags_folder: str | os.PathLike | None = None,
-                 services: tuple[str, ...] = SERVICES):
+                 services: tuple[str, ...] = SERVICES, executor: str = "local", metadata_db: str | None = None,
+                 broker_url: str | None = None, fm_pool_slots: int | None = None):
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, not {executor!r}")
+        if executor == "celery" and (not broker_url or not metadata_db or metadata_db.startswith("sqlite")):
+            raise ValueError("executor='celery' runs tasks on several workers: it needs broker_url (a Redis URL) and "
+                             "metadata_db, a SQLAlchemy URL of a server database (Postgres), not SQLite")
+        self.executor, self.metadata_db, self.broker_url = executor, metadata_db, broker_url
+        self.fm_pool_slots = fm_pool_slots
+        self.workers: dict[str, subprocess.Popen] = {}
         unknown = set(services) - set(SERVICES)
         if unknown or "api-server" not in services:
             raise ValueError(f"services must include api-server and be among {SERVICES}, not {sorted(unknown)}")
@@ -71,6 +86,18 @@ class LocalAirflow:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _db_env(self) -> dict:
+        if self.metadata_db is None:
+            return {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
+                    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS"}
+        out = {"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.metadata_db}
+        if self.executor == "celery":
+            out.update({"AIRFLOW__CELERY__BROKER_URL": self.broker_url,
+                        "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.metadata_db,
+                        # a task killed with its worker is redelivered after this (the broker's default is 24 h)
+                        "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "21600"})
+        return out
+
     def env(self) -> dict:
         bin_dir = str(Path(sys.executable).parent)
         return {**os.environ, **self.extra_env,
@@ -78,10 +105,9 @@ class LocalAirflow:
                 "AIRFLOW_HOME": str(self.home),
                 "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                "AIRFLOW__CORE__EXECUTOR": EXECUTORS[self.executor],
                 "AIRFLOW__CORE__PARALLELISM": str(self.parallelism),
-                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home}/airflow.db",
-                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
+                **self._db_env(),
                 "AIRFLOW__API__HOST": "127.0.0.1",
                 "AIRFLOW__API__PORT": str(self.port),
                 "AIRFLOW__API__BASE_URL": self.url,
@@ -127,6 +153,11 @@ class LocalAirflow:
         res = self.cli("db", "migrate", timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        pool = self.extra_env.get(FM_POOL_ENV)
+        if self.fm_pool_slots is not None:
+            if not pool:
+                raise ValueError(f"fm_pool_slots needs the pool's name in env ({FM_POOL_ENV})")
+            self.cli_checked("pools", "set", pool, str(self.fm_pool_slots), "SOLARIS FM inference (GPU workers)")
         args = {"api-server": ["api-server", "--host", "127.0.0.1", "--port", str(self.port)],
                 "scheduler": ["scheduler", "--skip-serve-logs"], "dag-processor": ["dag-processor"],
                 "triggerer": ["triggerer", "--skip-serve-logs"]}
@@ -147,6 +178,61 @@ class LocalAirflow:
                 pass
             time.sleep(1)
         raise RuntimeError(f"Airflow did not become healthy within {timeout:.0f}s; logs in {self.home}")
+
+    def start_worker(self, name: str, queues: tuple[str, ...] = ("default",), concurrency: int = 2,
+                     timeout: float = 120) -> subprocess.Popen:
+        """A Celery worker (``executor="celery"``) serving ``queues``, as on a host of its own; returns when it has
+        joined the broker. Its log is ``<home>/worker-<name>.log``."""
+        if self.executor != "celery":
+            raise ValueError("Celery workers run under executor='celery'")
+        log = self.home / f"worker-{name}.log"
+        p = self._spawn(f"worker-{name}", ["celery", "worker", "--celery-hostname", f"{name}@%h", "--queues",
+                                            ",".join(queues), "--concurrency", str(concurrency), "--skip-serve-logs",
+                                            "--without-gossip", "--without-mingle",
+                                            "--pid", str(self.home / f"worker-{name}.pid")])
+        self.workers[name] = p
+        deadline = time.monotonic() + timeout
+        while " ready." not in (log.read_text() if log.exists() else ""):
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Celery worker {name} did not start (exit {p.poll()}); see {log}")
+            time.sleep(0.5)
+        return p
+
+    def kill_worker(self, name: str) -> None:
+        """SIGKILL of a worker and every process under it (its running tasks too), as when its host dies."""
+        p = self.workers.pop(name)
+        self._kill_tree(p.pid, signal.SIGKILL)
+        p.wait(30)
+        (self.home / f"worker-{name}.pid").unlink(missing_ok=True)
+
+    @staticmethod
+    def _descendants(pid: int) -> list[int]:
+        out, todo = [], [pid]
+        while todo:
+            parent = todo.pop()
+            try:
+                kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+            except OSError:
+                continue
+            out.extend(int(k) for k in kids)
+            todo.extend(int(k) for k in kids)
+        return out
+
+    def _kill_tree(self, pid: int, sig: int) -> None:
+        """``sig`` to ``pid``'s process group and to every descendant (a task may have started its own group)."""
+        for target in [pid, *self._descendants(pid)]:
+            for kill in (lambda t: os.killpg(t, sig), lambda t: os.kill(t, sig)):
+                try:
+                    kill(target)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def cli_checked(self, *args: str, timeout: float = 300) -> str:
+        """``airflow <args>``; raises with its output when it fails."""
+        res = self.cli(*args, timeout=timeout)
+        if res.returncode != 0:
+            raise RuntimeError(f"airflow {' '.join(args)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+        return res.stdout
 
     def _request(self, method: str, path: str, body=None, auth: bool = True) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -220,8 +306,9 @@ class LocalAirflow:
         return {t["task_id"]: t["state"] for t in tis}
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL of each service's process group (a running task ignores SIGTERM); then the Spark
-        Connect server, if this started one."""
+        """SIGTERM, then SIGKILL of each service's (and worker's) process group and descendants (a running task
+        ignores SIGTERM); then the Spark Connect server, if this started one."""
+        trees = {p.pid: self._descendants(p.pid) for p in self.procs}
         for p in self.procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -233,12 +320,12 @@ class LocalAirflow:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            self._kill_tree(p.pid, signal.SIGKILL)
+            for pid in trees[p.pid]:
+                self._kill_tree(pid, signal.SIGKILL)
             p.wait(10)
         self.procs.clear()
+        self.workers.clear()
         if self.spark is not None:
             self.spark.stop()
 
