@@ -61,14 +61,30 @@ def feast_yaml(path: Path, online: str, registry: Path | None = None) -> Path:
 class SparkStandalone:
     """A Spark standalone master and one worker on loopback: a real cluster deployment on one machine. ``gpus``: the
     GPU addresses the worker's discovery script reports (fake ones on a machine without GPUs: Spark schedules
-    them as resources without touching a device)."""
+    them as resources without touching a device).
 
-    def __init__(self, workdir: Path, cores: int = 2, memory: str = "2g", gpus: tuple[str, ...] = ()):
-        self.workdir = workdir
+    ``hide``: folders the worker must not see, as on a host of its own: it runs in a mount namespace of its own
+    (``unshare -m``) with an empty tmpfs over each (the driver's project, venv and artifacts). Its Python is then this
+    venv bound at another path (``worker_python``: the same packages installed elsewhere, as on another host, with
+    no SOLARIS on its path); ``worker_env`` is added to its environment (and its executors'), e.g. the object
+    store's settings, and ``PYTHONPATH`` with SOLARIS's code as the worker's host has it installed
+    (``project_zip``)."""
+
+    def __init__(self, workdir: Path, cores: int = 2, memory: str = "2g", gpus: tuple[str, ...] = (),
+                 hide: tuple[Path, ...] = (), worker_env: dict | None = None):
+        self.workdir = Path(workdir)
         self.port, self.ui, self.worker_ui = free_port(), free_port(), free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
         self.cores, self.memory, self.gpus = cores, memory, tuple(gpus)
+        self.hide = tuple(Path(h).resolve() for h in hide)
+        self.worker_env = dict(worker_env or {})
+        self.worker_root = self.workdir / "worker-root"          # the worker's own view: its venv is bound here
         self.procs: list[subprocess.Popen] = []
+
+    @property
+    def worker_python(self) -> str:
+        """The executors' Python: this venv where the isolated worker sees it (else this interpreter)."""
+        return str(self.worker_root / "venv" / "bin" / "python") if self.hide else sys.executable
 
     def env(self) -> dict:
         out = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_MASTER_HOST": "127.0.0.1",
@@ -82,25 +98,54 @@ class SparkStandalone:
                                         f"-Dspark.worker.resource.gpu.discoveryScript={script}")
         return out
 
-    def _start(self, cls: str, args: list[str], log: Path) -> subprocess.Popen:
+    def _spark_class(self) -> str:
         spark_class = shutil.which("spark-class", path=str(Path(sys.executable).parent))
         if spark_class is None:
             raise RuntimeError("spark-class not found beside the interpreter: is pyspark installed in this venv?")
+        return spark_class
+
+    def _start(self, cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
         out = open(log, "w")
-        proc = subprocess.Popen([spark_class, cls, *args], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs.append(proc)
         return proc
+
+    def _worker_cmd(self, args: list[str]) -> tuple[list[str], dict]:
+        """The worker's command and environment: as is, or isolated (``hide``) in a mount namespace of its own."""
+        env = {**self.env(), **self.worker_env}
+        if not self.hide:
+            return [self._spark_class(), "org.apache.spark.deploy.worker.Worker", *args], env
+        if shutil.which("unshare") is None or os.geteuid() != 0:
+            raise RuntimeError("an isolated Spark worker needs unshare (util-linux) and root (a mount namespace)")
+        venv = Path(sys.prefix).resolve()
+        bound = self.worker_root / "venv"
+        # The same path in both views: here a link to this venv (the Spark Connect driver hands its executors a
+        # Python by path and checks it itself); in the worker's namespace, a tmpfs over worker_root with this venv
+        # bound at it before the tmpfs hides the original.
+        self.worker_root.mkdir(parents=True, exist_ok=True)
+        if not bound.is_symlink():
+            bound.symlink_to(venv, target_is_directory=True)
+        import pyspark
+        spark_home = bound / Path(pyspark.__file__).resolve().parent.relative_to(venv)
+        env.update(PYSPARK_PYTHON=str(bound / "bin" / "python"), PYSPARK_DRIVER_PYTHON=str(bound / "bin" / "python"),
+                   SPARK_HOME=str(spark_home), PYTHONPATH=self.worker_env.get("PYTHONPATH", ""), VIRTUAL_ENV=str(bound),
+                   PATH=f"{bound / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+        hide = " ".join(f"mount -t tmpfs -o size=1m tmpfs '{h}' &&" for h in self.hide)
+        script = (f"mount --make-rprivate / && mount -t tmpfs -o size=1m tmpfs '{self.worker_root}' && "
+                  f"mkdir '{bound}' && mount --bind '{venv}' '{bound}' && {hide} "
+                  f"exec '{spark_home}/bin/spark-class' org.apache.spark.deploy.worker.Worker \"$@\"")
+        return ["unshare", "-m", "sh", "-c", script, "worker", *args], env
 
     def __enter__(self):
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         mlog, wlog = self.workdir / "master.log", self.workdir / "worker.log"
-        self._start("org.apache.spark.deploy.master.Master",
-                    ["--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui)], mlog)
+        self._start([self._spark_class(), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
+                     str(self.port), "--webui-port", str(self.ui)], mlog, self.env())
         wait_for(lambda: "I have been elected leader" in mlog.read_text(), 90, "Spark master", mlog)
-        self._start("org.apache.spark.deploy.worker.Worker",
-                    [self.url, "--host", "127.0.0.1", "--webui-port", str(self.worker_ui), "--cores",
-                     str(self.cores), "--memory", self.memory, "--work-dir", str(self.workdir / "work")], wlog)
+        cmd, env = self._worker_cmd([self.url, "--host", "127.0.0.1", "--webui-port", str(self.worker_ui), "--cores",
+                                     str(self.cores), "--memory", self.memory, "--work-dir",
+                                     str(self.workdir / "work")])
+        self._start(cmd, wlog, env)
         wait_for(lambda: "Successfully registered with master" in wlog.read_text(), 90, "Spark worker", wlog)
         return self
 
@@ -490,3 +535,16 @@ def user_fm(path, map_location="cpu"):
     if state["trained_until"] is not None:
         model.trained_until = state["trained_until"]
     return model.to(map_location)
+
+
+def project_zip(dest: Path) -> Path:
+    """This project's packages (``solaris_jobs``, ``models``, ``spark_jobs``) as one zip: SOLARIS's code as an
+    isolated Spark worker's host has it installed (on its ``PYTHONPATH``), or for spark-submit's ``--py-files``."""
+    import zipfile
+    root = Path(__file__).resolve().parent.parent
+    with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED) as z:
+        for pkg in ("solaris_jobs", "models", "spark_jobs"):
+            for f in sorted((root / pkg).rglob("*")):
+                if f.is_file() and "__pycache__" not in f.parts:
+                    z.write(f, f.relative_to(root))
+    return dest

@@ -41,10 +41,12 @@ def local_parallelism(master: str) -> dict:
 class SparkConnectServer:
     """``spark-submit --class ...SparkConnectServer`` with ``master`` as its Spark (``local[2]`` by default), bound to
     127.0.0.1 on ``port`` (a free one by default); its log is ``<workdir>/connect.log``. Spark Connect mode holds for
-    a whole Python process, so clients run in other processes (Airflow's tasks, subprocesses in the tests)."""
+    a whole Python process, so clients run in other processes (Airflow's tasks, subprocesses in the tests).
+    ``python``: the executors' Python where their hosts have it; ``conf``: further Spark settings (e.g.
+    ``spark.submit.pyFiles``: the jobs' code for executors that do not have SOLARIS installed)."""
 
     def __init__(self, workdir: str | os.PathLike, master: str = "local[2]", driver_memory: str = "2g",
-                 port: int | None = None, conf: dict | None = None):
+                 port: int | None = None, conf: dict | None = None, python: str | None = None):
         self.workdir = Path(workdir)
         self.master, self.driver_memory = master, driver_memory
         self.port = port or free_port()
@@ -52,6 +54,9 @@ class SparkConnectServer:
         # One session for every client of this server (a session id is a UUID): see the module's docstring.
         self.shared_url = f"{self.url}/;session_id={uuid.uuid4()}"
         self.conf = dict(conf or {})
+        # The executors' Python (the server's PYSPARK_PYTHON: Spark Connect runs Python UDFs with it, whatever the
+        # client's): this interpreter by default; on a cluster, where the executors' hosts have it.
+        self.python = python or sys.executable
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -67,7 +72,7 @@ class SparkConnectServer:
         args = [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer", "--master", self.master,
                 *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")], "--driver-memory", self.driver_memory,
                 "spark-internal"]
-        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+        env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": self.python}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
