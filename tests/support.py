@@ -386,17 +386,39 @@ def _free_cluster_port() -> int:
 
 
 class RedisClusterServer:
-    """A real Redis Cluster of ``n`` primaries (no replicas) on 127.0.0.1, free ports, created with redis-cli."""
+    """A real Redis Cluster of ``n`` primaries on 127.0.0.1 and free ports, created with redis-cli; ``replicas``
+    replicas per primary (a failover takes over a killed primary's slots after ``node_timeout_ms``)."""
 
-    def __init__(self, workdir: Path, n: int = 3):
-        self.workdir, self.n = Path(workdir), n
+    def __init__(self, workdir: Path, n: int = 3, replicas: int = 0, node_timeout_ms: int = 5000):
+        self.workdir, self.n, self.replicas = Path(workdir), n, replicas
         self.nodes = [RedisServer(self.workdir / f"node{i}", _free_cluster_port(),
                                   extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf",
-                                         "--cluster-node-timeout", "5000")) for i in range(n)]
+                                         "--cluster-node-timeout", str(node_timeout_ms)))
+                      for i in range(n * (1 + replicas))]
 
     @property
     def url(self) -> str:
-        return ",".join(node.url for node in self.nodes)
+        """The startup nodes: the primaries as created (a failover moves the role, not the list)."""
+        return ",".join(node.url for node in self.nodes[:self.n])
+
+    def roles(self) -> dict[int, tuple[str, int | None]]:
+        """{port: (role, port of its primary or None)} as the live nodes see the cluster now (``CLUSTER NODES``);
+        a failed node shows as ``fail``."""
+        import redis as redis_py
+        out = {}
+        for node in self.nodes:
+            try:
+                text = redis_py.Redis(port=node.port, socket_timeout=2).execute_command("CLUSTER NODES")
+            except redis_py.RedisError:
+                continue
+            nodes = {info["node_id"]: (int(addr.split("@")[0].rsplit(":", 1)[1]), info) for addr, info in text.items()}
+            for port, info in nodes.values():
+                flags = info["flags"].split(",")
+                role = "fail" if "fail" in flags else "primary" if "master" in flags else "replica"
+                primary = nodes.get(info.get("master_id"))
+                out[port] = (role, primary[0] if primary else None)
+            break
+        return out
 
     def __enter__(self):
         for node in self.nodes:
@@ -404,8 +426,8 @@ class RedisClusterServer:
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RuntimeError("redis-cli is not installed (it comes with redis-server)")
-        res = subprocess.run([cli, "--cluster", "create", *[n.url for n in self.nodes], "--cluster-replicas", "0",
-                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        res = subprocess.run([cli, "--cluster", "create", *[n.url for n in self.nodes], "--cluster-replicas",
+                              str(self.replicas), "--cluster-yes"], capture_output=True, text=True, timeout=60)
         if res.returncode != 0:
             self.__exit__()
             raise RuntimeError(f"redis-cli --cluster create failed:\n{res.stdout}\n{res.stderr}")
@@ -415,7 +437,11 @@ class RedisClusterServer:
                 out = subprocess.run([cli, "-p", str(node.port), "cluster", "info"], capture_output=True, text=True)
                 if "cluster_state:ok" not in out.stdout:
                     return False
-            return True
+            # every replica in sync with its primary (a replica that never synced does not fail over)
+            import redis as redis_py
+            return all(redis_py.Redis(port=node.port).info("replication").get("master_link_status") == "up"
+                       for node in self.nodes if self.roles().get(node.port, ("",))[0] == "replica") and \
+                sum(r == "replica" for r, _ in self.roles().values()) == self.n * self.replicas
         wait_for(ok, 30, "redis cluster")
         return self
 

@@ -521,6 +521,64 @@ def test_redis_cluster_materialize_feast_read_and_serving(ml_run, tmp_path, monk
             a.close()
 
 
+def test_a_cluster_primary_killed_under_a_reader_fails_open_until_its_replica_takes_over(ml_run, tmp_path):
+    """A 3-primary Redis Cluster with a replica each; one primary holding some of a user's keys is killed (SIGKILL)
+    under a live reader. Until its replica takes over, every read either fails open whole (tier none, zeros: nothing
+    half-read is served) or, once the cluster answers again, returns exactly the features read before the kill;
+    after the failover the reader serves those features again, and the next materialize completes on the cluster as
+    it is now and leaves every key as the first one wrote it."""
+    from redis.crc import key_slot
+
+    from tests.support import RedisClusterServer
+    job, _ = ml_run
+    pairs = _offline(job)["pair_embeddings"]
+    user = int(pairs.user_id.value_counts().index[0])
+    items = np.concatenate([pairs[pairs.user_id == user].item_id.to_numpy(), [10**6]])
+    with RedisClusterServer(tmp_path / "cluster", replicas=1, node_timeout_ms=1000) as cluster:
+        cfg = store_config.load(REPO, feast_yaml(tmp_path / "fs.yaml", f"  type: redis\n  redis_type: redis_cluster\n"
+                                                                 f'  connection_string: "{cluster.url}"'))
+        materialize(cfg, job.offline, ML_END, expire_from="write")
+        written = {n.port: _dump(redis.Redis(port=n.port)) for n in cluster.nodes[:cluster.n]}
+        reader = FeatureReader(cfg, pairs.model_version.iloc[0], len(pairs.embedding.iloc[0]), misses=None,
+                               cooldown_s=0, tiers=FALLBACKS)
+        before = reader.read(user, items, ML_END + HOUR)
+        assert not before.failed_open and "pair" in before.tier_names()
+        keys = ff.entity_keys({"user_id": np.full(len(items), user, np.int64), "item_id": items}, b"solaris")
+        slots = {key_slot(k.tobytes()) for k in keys}
+        roles = cluster.roles()
+        victim = next(n for n in cluster.nodes[:cluster.n] if any(
+            redis.Redis(port=n.port).execute_command("CLUSTER", "COUNTKEYSINSLOT", s) for s in slots))
+        replica = next(p for p, (r, of) in roles.items() if r == "replica" and of == victim.port)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        outcomes, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline:
+            f = reader.read(user, items, ML_END + HOUR)
+            if f.failed_open:
+                assert set(f.tier_names()) == {"none"} and not f.embeddings.any()
+                outcomes.append("open")
+            else:
+                assert f.tier_names() == before.tier_names()
+                np.testing.assert_array_equal(f.embeddings, before.embeddings)
+                outcomes.append("served")
+                if cluster.roles().get(replica, ("",))[0] == "primary":
+                    break
+            time.sleep(0.05)
+        assert "open" in outcomes and outcomes[-1] == "served", outcomes[-10:]
+        assert cluster.roles()[replica] == ("primary", None)
+        m = reader.metrics.snapshot()
+        assert m["fail_open"] >= 1 and m["fail_open"] == outcomes.count("open")
+        reader.close()
+        # The next materialize runs on the cluster as it is now (the promoted replica in the dead primary's place).
+        st = materialize(cfg, job.offline, ML_END, expire_from="write")
+        assert all(v["written"] > 0 for v in st["views"].values())
+        live = [n.port for n in cluster.nodes[:cluster.n] if n is not victim] + [replica]
+        after = {}
+        for port in live:
+            after.update(_dump(redis.Redis(port=port)))
+        first = {k: v for d in written.values() for k, v in d.items()}
+        assert after.keys() == first.keys() and all(after[k] == v for k, v in first.items())
+
+
 def test_cluster_key_slots_in_bulk_equal_redis_pys():
     """``resp.key_slots`` (CRC16 by XOR of per-byte tables, for fixed-width keys) against redis-py's ``key_slot``,
     on Feast's entity keys and on random keys, hash tags (``{...}``) included."""
