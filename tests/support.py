@@ -38,6 +38,16 @@ ML_CFG = PrecomputeConfig.per_user_share(lookback_days=30, active_hours=24 * 14,
 ML_LOOKBACK_START = ML_END - pd.Timedelta(days=ML_CFG.lookback_days)
 
 
+def dag_precompute_json() -> str:
+    """``SOLARIS_PRECOMPUTE`` of the tests that run the refresh DAG: users active in the last 2 days (ML_CFG's 2
+    weeks selects ~6x the pairs), so an interval takes about half the time."""
+    c = ML_CFG
+    return json.dumps({"lookback_days": c.lookback_days, "active_hours": 48, "history_len": c.history_len,
+                       "batch_size": c.batch_size, "budget_per_row": c.budget_per_row, "recent_hours": c.recent_hours,
+                       "select_priority": c.select_priority, "exclusion_runs": c.exclusion_runs,
+                       "simulator": {"n_candidates": c.simulator.n_candidates, "n_popular": c.simulator.n_popular}})
+
+
 def train_tiny_models(root, out, history_len=10, max_train_rows=20_000):
     """Small FM, AE and VM checkpoints (seconds to train) for the pipeline tests: fm.pt, ae.pt, vm.pt."""
     from solaris_jobs.learning import training

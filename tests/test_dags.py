@@ -16,22 +16,12 @@ import pytest
 from models import load_checkpoint
 from solaris_jobs.core.contract import TIERS
 from solaris_jobs.core.settings import Settings
-from tests.support import ML_CFG, ML_END, assert_same_outputs, feast_yaml, RedisServer
+from tests.support import ML_END, assert_same_outputs, dag_precompute_json, feast_yaml, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DAGS = ROOT / "dags"
 HOUR = pd.Timedelta(hours=1)
 HEAVY = ("torch", "pyspark", "feast", "pandas", "solaris_jobs", "faiss", "redis")
-
-
-def _precompute_json() -> str:
-    # Users active in the last 2 days (ML_CFG's 2 weeks selects ~6x the pairs): an interval takes about half the
-    # time, and the DAG tests run about 20 of them.
-    c = ML_CFG
-    return json.dumps({"lookback_days": c.lookback_days, "active_hours": 48, "history_len": c.history_len,
-                       "batch_size": c.batch_size, "budget_per_row": c.budget_per_row, "recent_hours": c.recent_hours,
-                       "select_priority": c.select_priority, "exclusion_runs": c.exclusion_runs,
-                       "simulator": {"n_candidates": c.simulator.n_candidates, "n_popular": c.simulator.n_popular}})
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +33,7 @@ def airflow_env(tmp_path_factory, movielens_root, ml_models):
            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS), "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
            "SOLARIS_DATA": str(movielens_root), "SOLARIS_MODELS": str(ml_models), "SOLARIS_EXPIRE_FROM": "write",
-           "SOLARIS_PRECOMPUTE": _precompute_json(), "SOLARIS_START_DATE": "1998-01-01T00:00:00+00:00",
+           "SOLARIS_PRECOMPUTE": dag_precompute_json(), "SOLARIS_START_DATE": "1998-01-01T00:00:00+00:00",
            "SOLARIS_FEATURE_REPO": str(ROOT / "feature_repo"), "SOLARIS_RETRIES": "0"}
     for k, v in env.items():
         mp.setenv(k, v)
@@ -209,7 +199,7 @@ def test_refresh_dag_through_spark_submit_redis_equals_in_process(airflow_env, s
     from solaris_jobs.core import offline as off
     from solaris_jobs.pipeline import jobs
     offline = tmp_path / "offline"
-    precompute = json.loads(_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5,
+    precompute = json.loads(dag_precompute_json()) | {"select_share": 0.3, "exclusion_runs": 2, "knn_k": 5,
                                                    "lookback_days": 21}
     server = RedisServer(tmp_path / "redis").start()
     try:

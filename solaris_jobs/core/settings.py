@@ -711,7 +711,7 @@ DAG_ENV = {          # their defaults are in the DAG files (and docs/configurati
     "SOLARIS_REFRESH_CRON": "refresh schedule",
     "SOLARIS_TRAIN_CRON": "training schedule (`none`: on demand)",
     "SOLARIS_START_DATE": "first interval",
-    "SOLARIS_END_DATE": "last interval end",
+    "SOLARIS_END_DATE": "the DAG's end_date: the last interval the scheduler starts is the one starting at or before it",
     "SOLARIS_CATCHUP": "run missed intervals on start",
     "SOLARIS_RETRIES": "task retries",
     "SOLARIS_RETRY_MINUTES": "first retry delay, exponential back-off",

@@ -14,6 +14,8 @@ With ``executor="celery"`` it is the production topology on one machine: CeleryE
 (``broker_url``) and a Postgres metadata DB (``metadata_db``, e.g. ``solaris_jobs.dev.postgres_local``); the
 scheduler queues tasks and Celery workers, started one by one with ``start_worker`` (each its own queues and
 concurrency, as on separate hosts), run them. ``fm_pool_slots`` creates the FM task's pool (``SOLARIS_FM_POOL``).
+``spark_conf`` and ``spark_python`` go to the Spark Connect server (its settings; its executors' Python, where a
+cluster's hosts have it).
 
 Production deployments use Airflow's own deployment (Postgres, Celery or Kubernetes executor) and their cluster's
 Spark (Connect) endpoint; this is the project's DAGs under the real services, for trying them out and for tests.
@@ -45,12 +47,23 @@ SERVICES = ("api-server", "scheduler", "dag-processor", "triggerer")
 EXECUTORS = {"local": "LocalExecutor", "celery": "CeleryExecutor"}
 
 
+WORKER_NAME_ENV = "SOLARIS_AIRFLOW_WORKER"
+
+
+def worker_hostname() -> str:
+    """The host name a worker of ``start_worker`` reports (Airflow's ``[core] hostname_callable``): its own name, as
+    if it ran on a host of its own, so a task instance shows which worker ran it."""
+    import socket
+    return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()
+
+
 class LocalAirflow:
     def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
                  user: str = "admin", password: str | None = None, parallelism: int = 4,
                  spark_connect: bool = False, dags_folder: str | os.PathLike | None = None,
                  services: tuple[str, ...] = SERVICES, executor: str = "local", metadata_db: str | None = None,
-                 broker_url: str | None = None, fm_pool_slots: int | None = None):
+                 broker_url: str | None = None, fm_pool_slots: int | None = None, spark_conf: dict | None = None,
+                 spark_python: str | None = None):
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {sorted(EXECUTORS)}, not {executor!r}")
         if executor == "celery" and (not broker_url or not metadata_db or metadata_db.startswith("sqlite")):
@@ -80,7 +93,8 @@ class LocalAirflow:
                 raise ValueError(f"{env_var('spark_master')} is already a Spark Connect endpoint ({master}): "
                                  f"use it without spark_connect")
             memory = given.get(env_var("spark_driver_memory")) or "2g"
-            self.spark = SparkConnectServer(self.home / "spark-connect", master=master, driver_memory=memory)
+            self.spark = SparkConnectServer(self.home / "spark-connect", master=master, driver_memory=memory,
+                                            conf=spark_conf, python=spark_python)
 
     @property
     def url(self) -> str:
@@ -129,10 +143,10 @@ class LocalAirflow:
             path.write_text(secrets.token_urlsafe(32))
         return path.read_text()
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.home / f"{name}.log", "w")
         p = subprocess.Popen([str(Path(sys.executable).parent / "airflow"), *args], stdout=log,
-                             stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+                             stderr=subprocess.STDOUT, env={**self.env(), **(env or {})}, start_new_session=True)
         self.procs.append(p)
         return p
 
@@ -181,15 +195,17 @@ class LocalAirflow:
 
     def start_worker(self, name: str, queues: tuple[str, ...] = ("default",), concurrency: int = 2,
                      timeout: float = 120) -> subprocess.Popen:
-        """A Celery worker (``executor="celery"``) serving ``queues``, as on a host of its own; returns when it has
-        joined the broker. Its log is ``<home>/worker-<name>.log``."""
+        """A Celery worker (``executor="celery"``) serving ``queues``, as on a host of its own (its task instances
+        report ``name`` as their host name); returns when it has joined the broker. Its log is
+        ``<home>/worker-<name>.log``."""
         if self.executor != "celery":
             raise ValueError("Celery workers run under executor='celery'")
         log = self.home / f"worker-{name}.log"
         p = self._spawn(f"worker-{name}", ["celery", "worker", "--celery-hostname", f"{name}@%h", "--queues",
                                             ",".join(queues), "--concurrency", str(concurrency), "--skip-serve-logs",
                                             "--without-gossip", "--without-mingle",
-                                            "--pid", str(self.home / f"worker-{name}.pid")])
+                                            "--pid", str(self.home / f"worker-{name}.pid")],
+                        env={WORKER_NAME_ENV: name, "AIRFLOW__CORE__HOSTNAME_CALLABLE": f"{__name__}.worker_hostname"})
         self.workers[name] = p
         deadline = time.monotonic() + timeout
         while " ready." not in (log.read_text() if log.exists() else ""):

@@ -1,0 +1,150 @@
+"""The production topology on loopback (#42): what breaks when the refresh leaves one host.
+
+Airflow's API server and scheduler with CeleryExecutor on a Postgres metadata DB and a Redis broker, two Celery
+workers as two hosts (one serving the FM queue and pool); a Spark standalone master and a worker that cannot see
+the driver's files (its own mount namespace with empty tmpfs over the project, its venv, the tiny models and the
+Airflow side's artifacts), reached through a Spark Connect server; the models on an S3-API server (a registry
+pointer file and a version folder); the online store on a 3-primary Redis Cluster.
+
+Where the data lives: the Spark steps read the event log and write the offline store on a folder every host sees
+(as an NFS or HDFS mount would be; Spark on ``s3a://`` needs the Hadoop AWS jars, docs/deployment.md), so the
+isolated worker reaches it without them; everything else a task reads (the models, by the Spark executors too,
+through pyarrow) is on the S3-API server.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from solaris_jobs.core.settings import Settings
+from tests.support import (ML_END, RedisClusterServer, S3Server, SparkStandalone, assert_same_outputs,
+                           dag_precompute_json, feast_yaml, project_zip)
+
+ROOT = Path(__file__).resolve().parent.parent
+HOUR = pd.Timedelta(hours=1)
+FM_QUEUE = "solaris_fm"
+
+
+def _upload_models(models: Path, s3) -> str:
+    """The tiny models as a registry on the bucket: ``versions/v1/`` and a ``current`` pointer file naming it."""
+    import pyarrow.fs as pafs
+
+    from solaris_jobs.core import uris
+    s3.bucket("solaris")
+    bucket = uris.filesystem("s3a://solaris")[0]
+    pafs.copy_files(str(models), "solaris/registry/versions/v1", pafs.LocalFileSystem(), bucket)
+    with bucket.open_output_stream("solaris/registry/current") as f:
+        f.write(b"versions/v1\n")
+    return "s3a://solaris/registry/current"
+
+
+def _task_instances(af, run_id: str) -> dict:
+    tis = af.api("GET", f"/api/v2/dags/solaris_refresh/dagRuns/{run_id}/taskInstances")["task_instances"]
+    return {t["task_id"]: t for t in tis}
+
+
+def _wait_running(af, run_id: str, task: str, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ti = _task_instances(af, run_id).get(task)
+        if ti and ti["state"] == "running":
+            return ti
+        time.sleep(1)
+    raise TimeoutError(f"{task} of {run_id} did not start running within {timeout:.0f}s")
+
+
+def test_production_topology_on_loopback(movielens_root, ml_models, spark, tmp_path, monkeypatch):
+    """A scheduled refresh, then a two-interval backfill (`airflow backfill create`), through the whole topology:
+    every run succeeds; the FM task ran on the FM queue's worker, in its pool, the others on the default queue; a
+    Celery worker killed (SIGKILL of its whole process tree) while it ran the backfill's first Spark step is retried
+    on a replacement worker; the three intervals' offline outputs equal an in-process run of the same settings row
+    for row, and all three are materialized on the cluster."""
+    from solaris_jobs.dev.airflow_local import LocalAirflow
+    from solaris_jobs.dev.postgres_local import LocalPostgres
+    from solaris_jobs.online import store_config
+    from solaris_jobs.online.local_redis import LocalRedis
+    from solaris_jobs.online.materialize import materialized_intervals
+    from solaris_jobs.pipeline import jobs
+    first, last = ML_END - 3 * HOUR, ML_END
+    shared, driver = tmp_path / "shared", tmp_path / "driver"       # what every host sees; the Airflow side's own
+    shared.mkdir()
+    driver.mkdir()
+    with S3Server(tmp_path / "s3") as s3, LocalPostgres(driver / "postgres") as pg, \
+            LocalRedis(driver / "broker") as broker, RedisClusterServer(driver / "cluster") as cluster:
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        models = _upload_models(ml_models, s3)
+        site = shared / "worker-site"                                 # SOLARIS as the Spark hosts have it installed
+        site.mkdir()
+        with SparkStandalone(tmp_path / "spark", cores=2, memory="2g", hide=(ROOT, driver, ml_models),
+                             worker_env={**s3.env, "PYTHONPATH": str(project_zip(site / "solaris.zip"))}) as spk:
+            yaml_path = feast_yaml(driver / "fs.yaml", f"  type: redis\n  redis_type: redis_cluster\n"
+                                                        f'  connection_string: "{cluster.url}"')
+            env = {**s3.env, "SOLARIS_DATA": str(movielens_root), "SOLARIS_OFFLINE": str(shared / "offline"),
+                   "SOLARIS_MODELS": models, "SOLARIS_EXPIRE_FROM": "write",
+                   "SOLARIS_PRECOMPUTE": dag_precompute_json(), "FEAST_FS_YAML_FILE_PATH": str(yaml_path),
+                   "SOLARIS_FEATURE_REPO": str(ROOT / "feature_repo"),
+                   "SOLARIS_SPARK_MASTER": spk.url, "SOLARIS_SPARK_DRIVER_MEMORY": "1g",
+                   # Airflow's end_date bounds the intervals' starts: exactly one scheduled interval, the first.
+                   "SOLARIS_START_DATE": first.isoformat(), "SOLARIS_END_DATE": first.isoformat(),
+                   "SOLARIS_CATCHUP": "true", "SOLARIS_RETRIES": "1", "SOLARIS_RETRY_MINUTES": "0.05",
+                   "SOLARIS_FM_QUEUE": FM_QUEUE, "SOLARIS_FM_POOL": FM_QUEUE,
+                   # a task whose worker died is failed (then retried) after this many seconds without a heartbeat
+                   "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
+                   "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5"}
+            af = LocalAirflow(driver / "airflow", env=env, parallelism=4, executor="celery", metadata_db=pg.url,
+                              broker_url=f"redis://{broker.url}/0", fm_pool_slots=1, spark_connect=True,
+                              spark_python=spk.worker_python,
+                              spark_conf={"spark.executor.memory": "1g", "spark.sql.shuffle.partitions": "4",
+                                          "spark.default.parallelism": "2"},
+                              services=("api-server", "scheduler", "dag-processor"))
+            with af:
+                af.start_worker("default", concurrency=2)
+                af.start_worker("fm", queues=(FM_QUEUE,), concurrency=1)
+                af.wait_for_dag("solaris_refresh")
+                af.api("PATCH", "/api/v2/dags/solaris_refresh", {"is_paused": False})
+                deadline = time.monotonic() + 300
+                while not af.runs("solaris_refresh", run_type="scheduled") and time.monotonic() < deadline:
+                    time.sleep(2)
+                scheduled = af.runs("solaris_refresh", run_type="scheduled")
+                assert [pd.Timestamp(r["data_interval_end"]) for r in scheduled] == [first + HOUR]
+                assert af.wait_for_run("solaris_refresh", scheduled[0]["dag_run_id"], 900) == "success", \
+                    _task_instances(af, scheduled[0]["dag_run_id"])
+                af.cli_checked("backfill", "create", "--dag-id", "solaris_refresh", "--from-date",
+                               (first + HOUR).isoformat(), "--to-date", (first + 2 * HOUR).isoformat(),
+                               "--max-active-runs", "1")
+                backfill = sorted(af.runs("solaris_refresh", run_type="backfill"),
+                                  key=lambda r: r["data_interval_end"])
+                assert [pd.Timestamp(r["data_interval_end"]) for r in backfill] == [first + 2 * HOUR, last]
+                # The backfill's first Spark step dies with its worker (a host lost mid-task).
+                victim = _wait_running(af, backfill[0]["dag_run_id"], "select")
+                assert victim["hostname"] == "default"
+                time.sleep(3)
+                af.kill_worker("default")
+                af.start_worker("default-2", concurrency=2)
+                for r in backfill:
+                    assert af.wait_for_run("solaris_refresh", r["dag_run_id"], 900) == "success", \
+                        _task_instances(af, r["dag_run_id"])
+                runs = [scheduled[0], *backfill]
+                tis = {r["dag_run_id"]: _task_instances(af, r["dag_run_id"]) for r in runs}
+        cfg = store_config.load(ROOT / "feature_repo", yaml_path)
+        assert {first + HOUR, first + 2 * HOUR, last} <= set(materialized_intervals(cfg))
+    for run_id, by_task in tis.items():
+        assert {t: ti["state"] for t, ti in by_task.items()} == dict.fromkeys(by_task, "success") and \
+            len(by_task) == 8, run_id
+        embed = by_task["embed"]
+        assert (embed["queue"], embed["pool"], embed["hostname"]) == (FM_QUEUE, FM_QUEUE, "fm"), embed
+        others = {t: (ti["queue"], ti["hostname"]) for t, ti in by_task.items() if t != "embed"}
+        assert {q for q, _ in others.values()} == {"default"} and "fm" not in {h for _, h in others.values()}
+    retried = tis[backfill[0]["dag_run_id"]]["select"]
+    assert retried["try_number"] == 2 and retried["hostname"] == "default-2", retried
+    # The same settings in process, interval by interval in the order Airflow ran them, on the models' own files.
+    s = Settings.from_env(data=str(movielens_root), offline=str(tmp_path / "in_process"), models=str(ml_models),
+                          precompute=json.loads(dag_precompute_json()), expire_from="write")
+    for end in (first + HOUR, first + 2 * HOUR, last):
+        jobs.run(spark, s, end - HOUR, end)
+        counts = assert_same_outputs(shared / "offline", s.offline, end, rtol=1e-5, atol=1e-6)
+        assert counts["pair_embeddings"] > 0 and counts["neighbours"] > 0, end
