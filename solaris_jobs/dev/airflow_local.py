@@ -13,7 +13,8 @@ reused from task to task.
 With ``executor="celery"`` it is the production topology on one machine: CeleryExecutor with a Redis broker
 (``broker_url``) and a Postgres metadata DB (``metadata_db``, e.g. ``solaris_jobs.dev.postgres_local``); the
 scheduler queues tasks and Celery workers, started one by one with ``start_worker`` (each its own queues and
-concurrency, as on separate hosts), run them. ``fm_pool_slots`` creates the FM task's pool (``SOLARIS_FM_POOL``).
+concurrency, as on separate hosts), run them. ``fm_pool_slots`` creates the FM task's pool (named by
+``settings.FM_POOL_ENV``).
 ``spark_conf`` and ``spark_python`` go to the Spark Connect server (its settings; its executors' Python, where a
 cluster's hosts have it).
 
@@ -47,7 +48,7 @@ SERVICES = ("api-server", "scheduler", "dag-processor", "triggerer")
 EXECUTORS = {"local": "LocalExecutor", "celery": "CeleryExecutor"}
 
 
-WORKER_NAME_ENV = "SOLARIS_AIRFLOW_WORKER"
+WORKER_NAME_ENV = "LOCAL_AIRFLOW_WORKER"       # a worker's name, as its host name (dev only)
 
 
 def worker_hostname() -> str:
