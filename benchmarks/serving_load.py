@@ -11,10 +11,11 @@ row served past its TTL is *stale*; a read that failed open, raised, or returned
 written for that (user, item) is an *error*. Both must be 0.
 
     .venv/bin/python benchmarks/serving_load.py --clients 1 2 4 8 32 --seconds 5
-    .venv/bin/python benchmarks/serving_load.py --cluster 3 --out benchmarks/results/serving_load_cluster.json
+    .venv/bin/python benchmarks/serving_load.py --cluster 0 3 --out benchmarks/results/serving_load_cluster.json
 
-``--cluster N``: the same against a Redis Cluster of N primaries on loopback (the reader sends each primary one
-buffer of its keys' HMGETs, all before reading any reply); redis-server's CPU is then summed over the primaries.
+``--cluster 0 3``: one node, then a Redis Cluster of 3 primaries on loopback, in one run (the reader sends each
+primary one buffer of its keys' HMGETs, all before reading any reply); redis-server's CPU is then summed over the
+primaries.
 
 Saves benchmarks/results/serving_load.json.
 """
@@ -201,36 +202,29 @@ def stock(fs, truth, seconds: float) -> dict:
             "p50_ms": round(float(np.percentile(lat, 50)), 3), "p99_ms": round(float(np.percentile(lat, 99)), 3)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 32])
-    ap.add_argument("--seconds", type=float, default=5.0, help="Per client count and mode.")
-    ap.add_argument("--users", type=int, default=5_000)
-    ap.add_argument("--pairs", type=int, default=100, help="Candidates per request with a pair embedding.")
-    ap.add_argument("--straddle", type=float, default=0.05, help="Share of pair rows reaching their TTL in the run.")
-    ap.add_argument("--stock-seconds", type=float, default=5.0)
-    ap.add_argument("--cluster", type=int, default=0, help="A Redis Cluster of this many primaries (0: one node).")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serving_load.json"))
-    args = ap.parse_args()
+def measure_store(args, primaries: int) -> dict:
+    """Every client count and mode against one store (a single redis-server, or a Redis Cluster of ``primaries``),
+    then the stock Feast SDK on the same rows."""
     from solaris_jobs.online import store_config
     from solaris_jobs.online.materialize import materialize
     modes = ("processes", "threads")
     window = (len(args.clients) * len(modes) * (args.seconds + 3) + args.stock_seconds + 60)
-    with tempfile.TemporaryDirectory() as tmp, (RedisClusterServer(Path(tmp) / "cluster", args.cluster)
-                                                if args.cluster else RedisServer(Path(tmp) / "redis")) as server:
+    with tempfile.TemporaryDirectory() as tmp, (RedisClusterServer(Path(tmp) / "cluster", primaries)
+                                                if primaries else RedisServer(Path(tmp) / "redis")) as server:
         tmp = Path(tmp)
         now = pd.Timestamp.now(tz="UTC")
         truth = make_data(tmp / "offline", args.users, args.pairs, args.straddle, window, now)
-        kind = "  redis_type: redis_cluster\n" if args.cluster else ""
+        kind = "  redis_type: redis_cluster\n" if primaries else ""
         cfg = store_config.load(ROOT / "feature_repo", feast_yaml(
             tmp / "fs.yaml", f'  type: redis\n{kind}  connection_string: "{server.url}"'))
         st = materialize(cfg, str(tmp / "offline"), truth["end"], expire_from="event")
-        print(f"materialized: {({k: v['written'] for k, v in st['views'].items()})}; {truth['straddling']} pair "
-              f"rows reach their TTL in the next {window:.0f} s", flush=True)
+        store = f"Redis Cluster, {primaries} primaries" if primaries else "one redis-server"
+        print(f"{store}: materialized {({k: v['written'] for k, v in st['views'].items()})}; {truth['straddling']} "
+              f"pair rows reach their TTL in the next {window:.0f} s", flush=True)
         t_start = time.time()
         results = {m: {} for m in modes}
         import redis
-        admins = [redis.Redis(host=h, port=p) for h, p in cfg.nodes] if not args.cluster else [
+        admins = [redis.Redis(host=h, port=p) for h, p in cfg.nodes] if not primaries else [
             redis.Redis(port=n.port) for n in server.nodes]
 
         def server_cpu_s() -> float:                     # redis-server's own CPU time (user + system), every primary
@@ -265,14 +259,31 @@ def main() -> None:
               f"ms, p99 {s['p99_ms']} ms", flush=True)
     best = max(((m, n, r) for m in modes for n, r in results[m].items() if r["p99_ms"] <= 2.0),
                key=lambda x: x[2]["lookups_per_s"], default=None)
-    out = {"store": f"Redis Cluster, {args.cluster} primaries" if args.cluster else "one redis-server",
-           "candidates_per_request": N_CAND, "pair_candidates": args.pairs, "users": args.users,
-           "seconds_per_point": args.seconds, "cores": os.cpu_count(), "pair_rows": int(truth["items"].size),
-           "pair_rows_expiring_during_run": expired_during, "results": results, "stock_feast_1_process": s,
-           "best_at_p99_le_2ms": {"mode": best[0], "clients": best[1], **best[2]} if best else None,
-           "command": " ".join(sys.argv)}
+    print(f"{store}: pair rows that expired while the clients ran: {expired_during}", flush=True)
+    return {"store": store, "pair_rows": int(truth["items"].size), "pair_rows_expiring_during_run": expired_during,
+            "results": results, "stock_feast_1_process": s,
+            "best_at_p99_le_2ms": {"mode": best[0], "clients": best[1], **best[2]} if best else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 32])
+    ap.add_argument("--seconds", type=float, default=5.0, help="Per client count and mode.")
+    ap.add_argument("--users", type=int, default=5_000)
+    ap.add_argument("--pairs", type=int, default=100, help="Candidates per request with a pair embedding.")
+    ap.add_argument("--straddle", type=float, default=0.05, help="Share of pair rows reaching their TTL in the run.")
+    ap.add_argument("--stock-seconds", type=float, default=5.0)
+    ap.add_argument("--cluster", type=int, nargs="+", default=[0],
+                    help="The stores, one after the other in this run: 0 is one node, N a Redis Cluster of N "
+                         "primaries (e.g. --cluster 0 3: both, side by side).")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/serving_load.json"))
+    args = ap.parse_args()
+    stores = [measure_store(args, n) for n in args.cluster]
+    common = {"candidates_per_request": N_CAND, "pair_candidates": args.pairs, "users": args.users,
+              "seconds_per_point": args.seconds, "cores": os.cpu_count(), "command": " ".join(sys.argv)}
+    out = {**common, **stores[0]} if len(stores) == 1 else {**common, "stores": stores}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"pair rows that expired while the clients ran: {expired_during}; saved {args.out}")
+    print(f"saved {args.out}")
 
 
 if __name__ == "__main__":
