@@ -2,7 +2,7 @@
 trunk per pair, then the autoencoder's encoder: what the refresh's embed step runs) on the CPU and on each CUDA
 device side by side, in float32 and under bfloat16 autocast, with pairs/s and how far each device's codes are from
 the CPU's float32 ones. The FM is the product's (``TrainSettings``' widths and recipe, random weights: speed does
-not depend on them); batches are the refresh's (``PrecomputeConfig.batch_size`` on the CPU, ``gpu_batch_size`` on
+not depend on them), for each family (``--family``, both by default); batches are the refresh's (``PrecomputeConfig.batch_size`` on the CPU, ``gpu_batch_size`` on
 a GPU), whole users.
 
     .venv/bin/python benchmarks/gpu_check.py [--users 2048 --pairs-per-user 20 --repeats 3]
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=50_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tolerance", type=float, default=0.05, help="bfloat16 is safe within this max abs difference.")
+    ap.add_argument("--family", nargs="+", default=["transformer", "gru4rec"],
+                    help="The FM families measured, one after the other (each with the product's widths).")
     args = ap.parse_args()
     import torch
 
@@ -67,33 +69,37 @@ def main() -> None:
     from models.checkpoint import FM_FAMILIES
     from solaris_jobs.core.settings import PrecomputeConfig, TrainSettings
     from solaris_jobs.learning.training import fm_model_args
-    torch.manual_seed(0)
+    from dataclasses import replace
     ts, pc = TrainSettings(), PrecomputeConfig()
-    fam = fm_model_args(ts)
-    config_cls, model_cls = FM_FAMILIES[fam.pop("family")]
-    fm = model_cls(config_cls(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items},
-                              history_len=ts.history_len, **fam)).eval()
-    ae = Autoencoder(AEConfig(d_in=fm.width, d_code=ts.d_code)).eval()
     data = inputs(args.users, args.pairs_per_user, args.items, ts.history_len)
     torch.set_num_threads(os.cpu_count())
-    ref_rate, ref = run(fm, ae, data, "cpu", pc.batch_size, False, args.repeats)
-    rows = [{"device": "cpu", "dtype": "float32", "batch": pc.batch_size, "pairs_per_s": round(ref_rate),
-             "max_abs_diff": 0.0}]
+    rows = []
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    for d in devices:
-        for bf16 in (False, True):
-            rate, codes = run(fm, ae, data, d, pc.gpu_batch_size, bf16, args.repeats)
-            rows.append({"device": f"{d} ({torch.cuda.get_device_name(d)})", "dtype": "bfloat16" if bf16 else
-                         "float32", "batch": pc.gpu_batch_size, "pairs_per_s": round(rate),
-                         "max_abs_diff": float(np.abs(codes - ref).max())})
+    for family in args.family:
+        torch.manual_seed(0)
+        fam = fm_model_args(replace(ts, fm_family=family))
+        config_cls, model_cls = FM_FAMILIES[fam.pop("family")]
+        fm = model_cls(config_cls(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items},
+                                  history_len=ts.history_len, **fam)).eval()
+        ae = Autoencoder(AEConfig(d_in=fm.width, d_code=ts.d_code)).eval()
+        ref_rate, ref = run(fm, ae, data, "cpu", pc.batch_size, False, args.repeats)
+        rows.append({"family": family, "device": "cpu", "dtype": "float32", "batch": pc.batch_size,
+                     "pairs_per_s": round(ref_rate), "max_abs_diff": 0.0})
+        for d in devices:
+            for bf16 in (False, True):
+                rate, codes = run(fm, ae, data, d, pc.gpu_batch_size, bf16, args.repeats)
+                rows.append({"family": family, "device": f"{d} ({torch.cuda.get_device_name(d)})",
+                             "dtype": "bfloat16" if bf16 else "float32", "batch": pc.gpu_batch_size,
+                             "pairs_per_s": round(rate), "max_abs_diff": float(np.abs(codes - ref).max())})
     for r in rows:
-        print(f"{r['device']:40s} {r['dtype']:9s} batch {r['batch']:6d}: {r['pairs_per_s']:>10,} pairs/s, "
+        print(f"{r['family']:12s} {r['device']:40s} {r['dtype']:9s} batch {r['batch']:6d}: {r['pairs_per_s']:>10,} pairs/s, "
               f"codes within {r['max_abs_diff']:.2e} of the CPU's float32")
     if not devices:
         print("no CUDA device here: the CPU alone was measured")
     bf = [r for r in rows if r["dtype"] == "bfloat16"]
     out = {"pairs": int(len(data["rows"])), "cpu_threads": os.cpu_count(), "rows": rows,
-           "bfloat16_safe": all(r["max_abs_diff"] <= args.tolerance for r in bf) if bf else None,
+           "bfloat16_safe": {f: all(r["max_abs_diff"] <= args.tolerance for r in bf if r["family"] == f)
+                      for f in args.family} if bf else None,
            "tolerance": args.tolerance, "command": " ".join(sys.argv)}
     OUT.write_text(json.dumps(out, indent=2) + "\n")
     print(f"saved {OUT}")
