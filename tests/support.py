@@ -147,6 +147,13 @@ class SparkStandalone:
         return ["unshare", "-m", "sh", "-c", script, "worker", *args], env
 
     def __enter__(self):
+        try:
+            return self._up()
+        except BaseException:
+            self.__exit__()                       # the master stopped too when the worker did not come up
+            raise
+
+    def _up(self) -> "SparkStandalone":
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         mlog, wlog = self.workdir / "master.log", self.workdir / "worker.log"
         self._start([self._spark_class(), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
@@ -431,6 +438,13 @@ class RedisClusterServer:
         return out
 
     def __enter__(self):
+        try:
+            return self._start()
+        except BaseException:
+            self.__exit__()                       # nothing left running when the cluster did not come up
+            raise
+
+    def _start(self) -> "RedisClusterServer":
         for node in self.nodes:
             node.start()
         cli = shutil.which("redis-cli")
@@ -439,7 +453,6 @@ class RedisClusterServer:
         res = subprocess.run([cli, "--cluster", "create", *[n.url for n in self.nodes], "--cluster-replicas",
                               str(self.replicas), "--cluster-yes"], capture_output=True, text=True, timeout=60)
         if res.returncode != 0:
-            self.__exit__()
             raise RuntimeError(f"redis-cli --cluster create failed:\n{res.stdout}\n{res.stderr}")
 
         def ok():
