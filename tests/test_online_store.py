@@ -549,6 +549,8 @@ def test_a_cluster_primary_killed_under_a_reader_fails_open_until_its_replica_ta
         victim = next(n for n in cluster.nodes[:cluster.n] if any(
             redis.Redis(port=n.port).execute_command("CLUSTER", "COUNTKEYSINSLOT", s) for s in slots))
         replica = next(p for p, (r, of) in roles.items() if r == "replica" and of == victim.port)
+        # Replication is asynchronous: the replica has every write before the kill (a lag would make it differ).
+        assert redis.Redis(port=victim.port).execute_command("WAIT", 1, 5000) == 1
         os.kill(victim.proc.pid, signal.SIGKILL)
         outcomes, deadline = [], time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -6,10 +6,11 @@ the driver's files (its own mount namespace with empty tmpfs over the project, i
 Airflow side's artifacts), reached through a Spark Connect server; the models on an S3-API server (a registry
 pointer file and a version folder); the online store on a 3-primary Redis Cluster.
 
-Where the data lives: the Spark steps read the event log and write the offline store on a folder every host sees
-(as an NFS or HDFS mount would be; Spark on ``s3a://`` needs the Hadoop AWS jars, docs/deployment.md), so the
-isolated worker reaches it without them; everything else a task reads (the models, by the Spark executors too,
-through pyarrow) is on the S3-API server.
+Where the data lives: the event log and the offline store, which the Spark steps read and write (and the steps
+outside Spark read too), are on a folder every host sees, as an NFS or HDFS mount would be (Spark on ``s3a://``
+needs the Hadoop AWS jars, docs/deployment.md), so the isolated worker reaches them without those; the models (a
+registry pointer file and a version folder) are on the S3-API server, read there by the tasks and by the Spark
+executors, through pyarrow.
 """
 from __future__ import annotations
 
@@ -56,12 +57,37 @@ def _wait_running(af, run_id: str, task: str, timeout: float = 600) -> dict:
     raise TimeoutError(f"{task} of {run_id} did not start running within {timeout:.0f}s")
 
 
+PROBE = """
+import json, os, sys
+from pyspark.sql import SparkSession
+spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+def probe(frames, hidden=json.loads(sys.argv[2])):
+    import pandas as pd, solaris_jobs
+    for _ in frames:
+        yield pd.DataFrame({"v": [json.dumps({"python": sys.executable, "solaris": solaris_jobs.__file__,
+                                              "hidden": [sorted(os.listdir(h)) for h in hidden]})]})
+print(spark.range(1).mapInPandas(probe, "v string").collect()[0].v)
+"""
+
+
+def _executor_view(connect_url: str, hidden: list[Path]) -> dict:
+    """What a Spark executor of the topology sees: its Python, where SOLARIS comes from, and what is in the driver's
+    folders (a Spark Connect client is a process of its own: Connect mode holds for a whole process)."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-c", PROBE, connect_url, json.dumps([str(h) for h in hidden])],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_production_topology_on_loopback(movielens_root, ml_models, spark, tmp_path, monkeypatch):
     """A scheduled refresh, then a two-interval backfill (`airflow backfill create`), through the whole topology:
     every run succeeds; the FM task ran on the FM queue's worker, in its pool, the others on the default queue; a
     Celery worker killed (SIGKILL of its whole process tree) while it ran the backfill's first Spark step is retried
     on a replacement worker; the three intervals' offline outputs equal an in-process run of the same settings row
-    for row, and all three are materialized on the cluster."""
+    for row, and all three are materialized on the cluster; the Spark executors ran the worker's own Python and
+    SOLARIS from its own path, and saw the driver's project, models and Airflow files empty."""
     from solaris_jobs.dev.airflow_local import LocalAirflow
     from solaris_jobs.dev.postgres_local import LocalPostgres
     from solaris_jobs.online import store_config
@@ -122,7 +148,6 @@ def test_production_topology_on_loopback(movielens_root, ml_models, spark, tmp_p
                 # The backfill's first Spark step dies with its worker (a host lost mid-task).
                 victim = _wait_running(af, backfill[0]["dag_run_id"], "select")
                 assert victim["hostname"] == "default"
-                time.sleep(3)
                 af.kill_worker("default")
                 af.start_worker("default-2", concurrency=2)
                 for r in backfill:
@@ -130,6 +155,10 @@ def test_production_topology_on_loopback(movielens_root, ml_models, spark, tmp_p
                         _task_instances(af, r["dag_run_id"])
                 runs = [scheduled[0], *backfill]
                 tis = {r["dag_run_id"]: _task_instances(af, r["dag_run_id"]) for r in runs}
+                seen = _executor_view(af.spark.url, [ROOT, driver, ml_models])
+        # The executors ran the worker's own Python and SOLARIS from its own path, and saw none of the driver's files.
+        assert seen["python"] == spk.worker_python and seen["solaris"].startswith(str(site / "solaris.zip")), seen
+        assert seen["hidden"] == [[], [], []], seen
         cfg = store_config.load(ROOT / "feature_repo", yaml_path)
         assert {first + HOUR, first + 2 * HOUR, last} <= set(materialized_intervals(cfg))
     for run_id, by_task in tis.items():

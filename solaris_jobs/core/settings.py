@@ -720,7 +720,7 @@ DAG_ENV = {          # their defaults are in the DAG files (and docs/configurati
     REDIS_CONN_ENV: "Airflow connection (type redis) the tasks build `SOLARIS_REDIS` from: host, port, login, "
                     "password, schema as the db number, extras as further parameters (`ssl`, `ssl_ca_certs`, ...)",
     FM_QUEUE_ENV: "Celery queue of the FM task (its workers: `airflow celery worker --queues <it>`, on GPU hosts)",
-    FM_POOL_ENV: "pool of the FM task, its slots the FM's concurrent batches (`airflow pools set <it> <slots> ...`)",
+    FM_POOL_ENV: "pool of the FM task, its slots how many FM tasks run at once (`airflow pools set <it> <slots> ...`)",
 }
 
 # Named by other tools: Feast's yaml files expand it, so it is not read here.

@@ -58,6 +58,27 @@ def worker_hostname() -> str:
     return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()
 
 
+def _tree(proc: subprocess.Popen) -> list:
+    """``proc`` and every process under it, as psutil processes (each knows its start time: a signal never reaches
+    a later process that reused a pid)."""
+    import psutil
+    try:
+        root = psutil.Process(proc.pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_tree(procs: list, sig: int) -> None:
+    """``sig`` to each process still running (a task may have started a process group of its own)."""
+    import psutil
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
 class LocalAirflow:
     def __init__(self, home: str | os.PathLike, port: int | None = None, env: dict | None = None,
                  user: str = "admin", password: str | None = None, parallelism: int = 4,
@@ -109,7 +130,8 @@ class LocalAirflow:
         if self.executor == "celery":
             out.update({"AIRFLOW__CELERY__BROKER_URL": self.broker_url,
                         "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.metadata_db,
-                        # a task killed with its worker is redelivered after this (the broker's default is 24 h)
+                        # a message of a task killed with its worker is redelivered after this (Airflow's default
+                        # is 24 h); the scheduler's heartbeat timeout fails and retries the task long before
                         "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "21600"})
         return out
 
@@ -218,31 +240,10 @@ class LocalAirflow:
     def kill_worker(self, name: str) -> None:
         """SIGKILL of a worker and every process under it (its running tasks too), as when its host dies."""
         p = self.workers.pop(name)
-        self._kill_tree(p.pid, signal.SIGKILL)
+        _kill_tree(_tree(p), signal.SIGKILL)
         p.wait(30)
+        self.procs.remove(p)
         (self.home / f"worker-{name}.pid").unlink(missing_ok=True)
-
-    @staticmethod
-    def _descendants(pid: int) -> list[int]:
-        out, todo = [], [pid]
-        while todo:
-            parent = todo.pop()
-            try:
-                kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-            except OSError:
-                continue
-            out.extend(int(k) for k in kids)
-            todo.extend(int(k) for k in kids)
-        return out
-
-    def _kill_tree(self, pid: int, sig: int) -> None:
-        """``sig`` to ``pid``'s process group and to every descendant (a task may have started its own group)."""
-        for target in [pid, *self._descendants(pid)]:
-            for kill in (lambda t: os.killpg(t, sig), lambda t: os.kill(t, sig)):
-                try:
-                    kill(target)
-                except (ProcessLookupError, PermissionError):
-                    pass
 
     def cli_checked(self, *args: str, timeout: float = 300) -> str:
         """``airflow <args>``; raises with its output when it fails."""
@@ -325,21 +326,20 @@ class LocalAirflow:
     def stop(self) -> None:
         """SIGTERM, then SIGKILL of each service's (and worker's) process group and descendants (a running task
         ignores SIGTERM); then the Spark Connect server, if this started one."""
-        trees = {p.pid: self._descendants(p.pid) for p in self.procs}
-        for p in self.procs:
+        live = [p for p in self.procs if p.poll() is None]
+        trees = {p.pid: _tree(p) for p in live}           # listed before any dies (orphans are re-parented)
+        for p in live:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 15
-        for p in self.procs:
+        for p in live:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            self._kill_tree(p.pid, signal.SIGKILL)
-            for pid in trees[p.pid]:
-                self._kill_tree(pid, signal.SIGKILL)
+            _kill_tree(trees[p.pid], signal.SIGKILL)
             p.wait(10)
         self.procs.clear()
         self.workers.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -84,9 +85,20 @@ class LocalPostgres:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()       # smart shutdown; then fast
+            # pg_ctl's fast shutdown (as root the process here is runuser, which would SIGKILL the server 2 s after
+            # passing a SIGTERM on); a server that does not stop is killed by its postmaster pid.
+            if self.proc.poll() is None:
+                res = self._run(str(self.bin / "pg_ctl"), "-D", str(self.data / "db"), "-m", "fast", "-w", "-t", "20",
+                                "stop", timeout=60)
+                if res.returncode != 0:
+                    pid_file = self.data / "db" / "postmaster.pid"
+                    if pid_file.exists():
+                        try:
+                            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+                        except (ProcessLookupError, ValueError):
+                            pass
             try:
-                self.proc.wait(20)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
