@@ -42,15 +42,10 @@ def _upload_models(models: Path, s3) -> str:
     return "s3a://solaris/registry/current"
 
 
-def _task_instances(af, run_id: str) -> dict:
-    tis = af.api("GET", f"/api/v2/dags/solaris_refresh/dagRuns/{run_id}/taskInstances")["task_instances"]
-    return {t["task_id"]: t for t in tis}
-
-
 def _wait_running(af, run_id: str, task: str, timeout: float = 600) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ti = _task_instances(af, run_id).get(task)
+        ti = af.task_instances("solaris_refresh", run_id).get(task)
         if ti and ti["state"] == "running":
             return ti
         time.sleep(1)
@@ -138,7 +133,7 @@ def test_production_topology_on_loopback(movielens_root, ml_models, spark, tmp_p
                 scheduled = af.runs("solaris_refresh", run_type="scheduled")
                 assert [pd.Timestamp(r["data_interval_end"]) for r in scheduled] == [first + HOUR]
                 assert af.wait_for_run("solaris_refresh", scheduled[0]["dag_run_id"], 900) == "success", \
-                    _task_instances(af, scheduled[0]["dag_run_id"])
+                    af.task_instances("solaris_refresh", scheduled[0]["dag_run_id"])
                 af.cli_checked("backfill", "create", "--dag-id", "solaris_refresh", "--from-date",
                                (first + HOUR).isoformat(), "--to-date", (first + 2 * HOUR).isoformat(),
                                "--max-active-runs", "1")
@@ -152,9 +147,9 @@ def test_production_topology_on_loopback(movielens_root, ml_models, spark, tmp_p
                 af.start_worker("default-2", concurrency=2)
                 for r in backfill:
                     assert af.wait_for_run("solaris_refresh", r["dag_run_id"], 900) == "success", \
-                        _task_instances(af, r["dag_run_id"])
+                        af.task_instances("solaris_refresh", r["dag_run_id"])
                 runs = [scheduled[0], *backfill]
-                tis = {r["dag_run_id"]: _task_instances(af, r["dag_run_id"]) for r in runs}
+                tis = {r["dag_run_id"]: af.task_instances("solaris_refresh", r["dag_run_id"]) for r in runs}
                 seen = _executor_view(af.spark.url, [ROOT, driver, ml_models])
         # The executors ran the worker's own Python and SOLARIS from its own path, and saw none of the driver's files.
         assert seen["python"] == spk.worker_python and seen["solaris"].startswith(str(site / "solaris.zip")), seen

@@ -319,9 +319,13 @@ class LocalAirflow:
         q = f"?run_type={run_type}" if run_type else ""
         return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns{q}")["dag_runs"]
 
-    def task_states(self, dag_id: str, run_id: str) -> dict:
+    def task_instances(self, dag_id: str, run_id: str) -> dict:
+        """{task id: the task instance as the REST API gives it (state, try_number, hostname, queue, pool, ...)}."""
         tis = self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
-        return {t["task_id"]: t["state"] for t in tis}
+        return {t["task_id"]: t for t in tis}
+
+    def task_states(self, dag_id: str, run_id: str) -> dict:
+        return {t: ti["state"] for t, ti in self.task_instances(dag_id, run_id).items()}
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL of each service's (and worker's) process group and descendants (a running task
