@@ -38,11 +38,12 @@ ML_CFG = PrecomputeConfig.per_user_share(lookback_days=30, active_hours=24 * 14,
 ML_LOOKBACK_START = ML_END - pd.Timedelta(days=ML_CFG.lookback_days)
 
 
-def dag_precompute_json() -> str:
+def dag_precompute_json(lookback_days: int = ML_CFG.lookback_days) -> str:
     """``SOLARIS_PRECOMPUTE`` of the tests that run the refresh DAG: users active in the last 2 days (ML_CFG's 2
-    weeks selects ~6x the pairs), so an interval takes about half the time."""
+    weeks selects ~6x the pairs), so an interval takes about half the time. ``lookback_days``: the first interval
+    rebuilds its state from this many days of the log (hourly files: 30 days are about 700 of them)."""
     c = ML_CFG
-    return json.dumps({"lookback_days": c.lookback_days, "active_hours": 48, "history_len": c.history_len,
+    return json.dumps({"lookback_days": lookback_days, "active_hours": 48, "history_len": c.history_len,
                        "batch_size": c.batch_size, "budget_per_row": c.budget_per_row, "recent_hours": c.recent_hours,
                        "select_priority": c.select_priority, "exclusion_runs": c.exclusion_runs,
                        "simulator": {"n_candidates": c.simulator.n_candidates, "n_popular": c.simulator.n_popular}})
@@ -169,6 +170,18 @@ class SparkStandalone:
     def __exit__(self, *exc):
         for p in reversed(self.procs):
             stop_process(p)
+
+
+def enter_together(stack, *servers) -> list:
+    """Starts ``servers`` (context managers whose exit is safe to call on a half-started or stopped one) at once, each
+    in a thread, and registers their exits on ``stack`` (a ``contextlib.ExitStack``), all of them, even when one fails
+    to start (then the first failure is raised). Returns what each ``__enter__`` returned, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+    for server in servers:
+        stack.push(server.__exit__)
+    with ThreadPoolExecutor(len(servers)) as pool:
+        futures = [pool.submit(server.__enter__) for server in servers]
+    return [f.result() for f in futures]
 
 
 class _Server:

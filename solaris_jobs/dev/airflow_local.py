@@ -186,7 +186,7 @@ class LocalAirflow:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({self.user: self.password}))
         if self.spark is not None:
-            self.spark.start()
+            self.spark.launch()                   # its JVM and executors come up while the DB is migrated
         res = self.cli("db", "migrate", timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"airflow db migrate failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
@@ -200,6 +200,8 @@ class LocalAirflow:
                 "triggerer": ["triggerer", "--skip-serve-logs"]}
         for name in self.services:
             self._spawn(name, args[name])
+        if self.spark is not None:
+            self.spark.wait_started()
         # Healthy: the scheduler's heartbeat when one runs, else the API server's metadata DB.
         watch = "scheduler" if "scheduler" in self.services else "metadatabase"
         deadline = time.monotonic() + timeout
@@ -217,19 +219,23 @@ class LocalAirflow:
         raise RuntimeError(f"Airflow did not become healthy within {timeout:.0f}s; logs in {self.home}")
 
     def start_worker(self, name: str, queues: tuple[str, ...] = ("default",), concurrency: int = 2,
-                     timeout: float = 120) -> subprocess.Popen:
+                     timeout: float = 120, wait: bool = True) -> subprocess.Popen:
         """A Celery worker (``executor="celery"``) serving ``queues``, as on a host of its own (its task instances
-        report ``name`` as their host name); returns when it has joined the broker. Its log is
-        ``<home>/worker-<name>.log``."""
+        report ``name`` as their host name); returns when it has joined the broker (at once with ``wait=False``:
+        ``wait_worker`` waits, so several workers start together). Its log is ``<home>/worker-<name>.log``."""
         if self.executor != "celery":
             raise ValueError("Celery workers run under executor='celery'")
-        log = self.home / f"worker-{name}.log"
         p = self._spawn(f"worker-{name}", ["celery", "worker", "--celery-hostname", f"{name}@%h", "--queues",
                                             ",".join(queues), "--concurrency", str(concurrency), "--skip-serve-logs",
                                             "--without-gossip", "--without-mingle",
                                             "--pid", str(self.home / f"worker-{name}.pid")],
                         env={WORKER_NAME_ENV: name, "AIRFLOW__CORE__HOSTNAME_CALLABLE": f"{__name__}.worker_hostname"})
         self.workers[name] = p
+        return self.wait_worker(name, timeout) if wait else p
+
+    def wait_worker(self, name: str, timeout: float = 120) -> subprocess.Popen:
+        """Returns when worker ``name`` has joined the broker; raises if it exits or ``timeout`` passes first."""
+        p, log = self.workers[name], self.home / f"worker-{name}.log"
         deadline = time.monotonic() + timeout
         while " ready." not in (log.read_text() if log.exists() else ""):
             if p.poll() is not None or time.monotonic() > deadline:

@@ -64,6 +64,13 @@ class SparkConnectServer:
         return self.workdir / "connect.log"
 
     def start(self, timeout: float = 120) -> "SparkConnectServer":
+        """Launches the server and returns when it accepts clients (or raises, the server stopped)."""
+        self.launch()
+        return self.wait_started(timeout)
+
+    def launch(self) -> "SparkConnectServer":
+        """Starts the server's process and returns at once (``wait_started`` waits for it): its JVM and its
+        executors come up while the caller does something else."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         submit = str(Path(sys.executable).parent / "spark-submit")
         conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.connect.grpc.binding.port": str(self.port),
@@ -75,6 +82,9 @@ class SparkConnectServer:
         env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": self.python}
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    def wait_started(self, timeout: float = 120) -> "SparkConnectServer":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if "Spark Connect server started" in self.log.read_text(errors="replace"):
