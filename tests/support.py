@@ -41,7 +41,8 @@ ML_LOOKBACK_START = ML_END - pd.Timedelta(days=ML_CFG.lookback_days)
 def dag_precompute_json(lookback_days: int = ML_CFG.lookback_days) -> str:
     """``SOLARIS_PRECOMPUTE`` of the tests that run the refresh DAG: users active in the last 2 days (ML_CFG's 2
     weeks selects ~6x the pairs), so an interval takes about half the time. ``lookback_days``: the first interval
-    rebuilds its state from this many days of the log (hourly files: MovieLens's last 30 days are 299 of them, its last week 79)."""
+    rebuilds its state from this many days of the log (hourly files: MovieLens's last 30 days are 299 of them, its
+    last week 79)."""
     c = ML_CFG
     return json.dumps({"lookback_days": lookback_days, "active_hours": 48, "history_len": c.history_len,
                        "batch_size": c.batch_size, "budget_per_row": c.budget_per_row, "recent_hours": c.recent_hours,
