@@ -216,3 +216,35 @@ def test_models_resolved_through_a_pointer_file_locally_and_on_an_object_store(t
         assert meta["model_version"] == local.ae.version
         with pytest.raises(FileNotFoundError, match=r"s3a://models/registry/versions/v2/fm.pt: no FM checkpoint"):
             model_refs.resolve("s3a://models/registry/versions/v2")
+
+
+def test_an_fm_familys_recipe_search_trains_that_family_and_resumes_from_its_points(synth_root, tmp_path,
+                                                                                    monkeypatch):
+    """``fm_search`` for the recurrent family (#41: its own validation search, the transformer's plan): every point
+    trains a gru4rec FM, the choice is the best validation BCE of its stages (the history length by the mean over
+    seeds), and a second run reads every point from its cache (no training, the same table)."""
+    from dataclasses import replace
+
+    from solaris_jobs.core import events as ev
+    from solaris_jobs.evaluation import fm_search
+    from solaris_jobs.evaluation.protocol import ModelsConfig, by_quantiles
+    from solaris_jobs.learning import training
+    from solaris_jobs.evaluation.windows import event_us
+    protocol = by_quantiles(event_us(ev.read_events(synth_root)), 0.8, 0.9, floor="h")
+    plan = replace(fm_search.PLANS["gru4rec"], rows=3_000, epochs=1, stages=(("fm_lr", (8e-3,)),),
+                   history_lens=(10, 20), longer=40, start=(("fm_lr", 2e-3), ("fm_weight_decay", 0.0), ("fm_dropout", 0.1),
+                                                 ("fm_target_user", False), ("history_len", 10)))
+    base = replace(ModelsConfig(), d_model=8, n_layers=1, d_interaction=16, batch_size=256)
+    built, build = [], training.build_fm
+    monkeypatch.setattr(training, "build_fm", lambda data, cfg, **kw: built.append(kw["family"]) or
+                        build(data, cfg, **kw))
+    table = fm_search.search(synth_root, protocol, tmp_path / "search", base, 30.0, plan)
+    trained = table["points"]                    # every point this run trained (none was cached yet)
+    assert table["family"] == "gru4rec" and built == ["gru4rec"] * len(trained) and len(trained) >= 5
+    stage_points = [p for p in trained if p["stage"] in ("start", "fm_lr")]
+    best = min(stage_points, key=lambda p: p["valid_bce"])["recipe"]
+    means = table["history_len_mean_valid_bce"]
+    assert table["chosen"] == {**best, "history_len": int(min(means, key=means.get))}
+    assert {p["seed"] for p in trained if p["stage"] == "history_len"} == {0, 1}
+    built.clear()
+    assert fm_search.search(synth_root, protocol, tmp_path / "search", base, 30.0, plan) == table and built == []

@@ -90,6 +90,21 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
     if searched is not None:
         assert fm_search.recipe_of(ModelsConfig()) == searched["chosen"]
         assert fm_search.recipe_of(cfg.models) == searched["chosen"]
+        # The transformer's points are keyed as when they were committed (a plan field added later, as family, must
+        # not rename them, or a fresh clone would search again).
+        assert json.loads(json.dumps({**fm_search.PLAN.key(), "start": dict(fm_search.PLAN.start)})) == \
+            {k: v for k, v in searched["plan"].items() if k != "family"}
+    # Every family is searched the same way and evaluated with what its own search chose (its plan's start before).
+    from models.checkpoint import FM_FAMILIES
+    assert set(fm_search.PLANS) == set(FM_FAMILIES)
+    from solaris_jobs.flows.cli import evaluate_fm_search_cmd
+    assert set(next(o for o in evaluate_fm_search_cmd.params if o.name == "family").type.choices) == set(FM_FAMILIES)
+    for family, plan in fm_search.PLANS.items():
+        assert plan.key() == fm_search.PLAN.key() | ({"family": family} if family != "transformer" else {})
+        own, models = fm_search.committed(family), fm_search.models_for(ModelsConfig(), family)
+        assert models.fm_family == family and fm_search.recipe_of(models) == \
+            (own["chosen"] if own else fm_search.recipe_of(ModelsConfig()) if family == "transformer" else
+             dict(plan.start))
     # The refresh DAG's default schedule is the evaluation's hourly cadence.
     assert cfg.cadence == "1h" and '"SOLARIS_REFRESH_CRON", "0 * * * *"' in (ROOT / "dags" /
                                                                             "solaris_refresh.py").read_text()

@@ -49,9 +49,24 @@ class SearchPlan:
     history_lens: tuple = (50, 100)
     longer: int = 200                  # tried only if the longest of history_lens wins by more than the spread
     seeds: tuple = (0, 1)
+    family: str = "transformer"        # the FM family searched (models.checkpoint.FM_FAMILIES)
+
+    def key(self) -> dict:
+        """The plan as it keys a point: the transformer's without ``family`` (its points were cached and committed
+        before there were families, under these names)."""
+        out = {k: v for k, v in self.__dict__.items() if k != "family"} | {"start": list(self.start)}
+        return out if self.family == "transformer" else out | {"family": self.family}
 
 
 PLAN = SearchPlan()
+# Every family gets the same search (the same start, stages, lengths and seeds) at the same widths, so that each FM
+# is tuned as much as the other and as much as each ranker.
+PLANS = {"transformer": PLAN, "gru4rec": replace(PLAN, family="gru4rec")}
+
+
+def result_path(family: str = "transformer") -> Path:
+    """Where a family's search table is committed (the transformer's is ``RESULT``)."""
+    return RESULT if family == "transformer" else RESULT.with_name(f"{RESULT.stem}_{family}.json")
 
 
 def recipe_of(models: ModelsConfig) -> dict:
@@ -79,7 +94,7 @@ def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_
         return loaded[history_len]
 
     def run(recipe: dict, seed: int, stage: str) -> float:
-        key = {"recipe": recipe, "seed": seed, "plan": plan.__dict__ | {"start": list(plan.start)},
+        key = {"recipe": recipe, "seed": seed, "plan": plan.key(),
                "protocol": protocol.to_dict(), "data": data_version(root), "code": code,
                "label_delay_minutes": label_delay_minutes,
                "widths": {k: getattr(base, k) for k in ("d_model", "n_layers", "d_interaction", "batch_size")}}
@@ -88,7 +103,7 @@ def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_
         if path.exists() or kept.exists():
             rec = json.loads((path if path.exists() else kept).read_text())
         else:
-            m = replace(base, **recipe, fm_epochs=plan.epochs, fm_patience=plan.patience)
+            m = replace(base, **recipe, fm_epochs=plan.epochs, fm_patience=plan.patience, fm_family=plan.family)
             data = data_at(m.history_len)
             t0 = time.perf_counter()
             model = training.build_fm(data, m.fm_train(seed), **m.fm_args())
@@ -125,13 +140,27 @@ def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_
         got = [run({**best, "history_len": plan.longer}, s, "history_len") for s in plan.seeds]
         mean_of[plan.longer] = sum(got) / len(got)
     chosen = {**best, "history_len": min(mean_of, key=mean_of.get)}
-    return {"plan": {**plan.__dict__, "start": dict(plan.start), "stages": [list(s) for s in plan.stages]},
+    return {"family": plan.family,
+            "plan": {**plan.__dict__, "start": dict(plan.start), "stages": [list(s) for s in plan.stages]},
             "protocol": protocol.to_dict(), "data": data_version(root), "code": code,
             "label_delay_minutes": label_delay_minutes, "points": points,
             "history_len_mean_valid_bce": {str(k): v for k, v in mean_of.items()}, "seed_spread": spread,
             "chosen": chosen}
 
 
-def committed() -> dict | None:
-    """The committed search (``RESULT``), or None before it has run."""
-    return json.loads(RESULT.read_text()) if RESULT.exists() else None
+def committed(family: str = "transformer") -> dict | None:
+    """A family's committed search (``result_path``), or None before it has run."""
+    path = result_path(family)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def models_for(base: ModelsConfig, family: str) -> ModelsConfig:
+    """``base`` with FM ``family`` and that family's recipe: the one its committed search chose; the transformer's
+    is ``ModelsConfig``'s default (held equal to its search by tests/test_settings.py); a family not searched yet
+    gets its plan's start (and the report's ``config.fm_search`` is then None)."""
+    if family not in PLANS:
+        raise ValueError(f"no FM search plan for family {family!r}: {sorted(PLANS)}")
+    searched = committed(family)
+    recipe = searched["chosen"] if searched else recipe_of(ModelsConfig()) if family == "transformer" \
+        else dict(PLANS[family].start)
+    return replace(base, fm_family=family, **recipe)

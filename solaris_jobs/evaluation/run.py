@@ -201,7 +201,7 @@ def report_config(cfg: EvalConfig) -> dict:
     from solaris_jobs.core.contract import RECENCY_INPUTS
     from solaris_jobs.evaluation import fm_search, tier_choice
     from solaris_jobs.pipeline.history import COUNTER_COLS
-    searched, chosen = fm_search.committed(), tier_choice.committed()
+    searched, chosen = fm_search.committed(cfg.models.fm_family), tier_choice.committed()
     searched = searched if searched and cfg.dataset == "synth" and fm_search.recipe_of(cfg.models) == \
         searched["chosen"] else None
     chosen = {k: chosen[k] for k in ("method", "seed", "commit", "validation", "chosen")} if chosen and \

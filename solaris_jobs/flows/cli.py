@@ -349,7 +349,8 @@ def _with_fm(cfg, fm, checkpoint, possibly_leaky):
         if fm not in FM_FAMILIES:
             raise click.BadParameter(f"{fm!r} is neither a family ({', '.join(FM_FAMILIES)}) nor a "
                                      f"package.module:factory", param_hint="--fm")
-        cfg = replace(cfg, models=replace(cfg.models, fm_family=fm))
+        from solaris_jobs.evaluation import fm_search
+        cfg = replace(cfg, models=fm_search.models_for(cfg.models, fm))     # the family's own searched recipe
     return cfg
 
 
@@ -430,21 +431,25 @@ def evaluate_cmd(dataset, data_root, times, split, fm_family, fm_checkpoint, pos
 @main.command("evaluate-fm-search")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for the data and the search's "
               "points (cached: an interrupted search resumes).")
+@click.option("--family", default="transformer", show_default=True,
+              type=click.Choice(["transformer", "gru4rec"]), help="The FM family whose recipe is searched.")
 @click.option("--result", default=None, type=click.Path(dir_okay=False),
-              help="Where to write the table (default benchmarks/results/fm_search_synth.json).")
-def evaluate_fm_search_cmd(out, result) -> None:
-    """The FM's recipe search on seed 0's validation slice (``solaris_jobs.evaluation.fm_search``): run once, before
-    the evaluation's seeds; its choice is ``ModelsConfig``'s default."""
+              help="Where to write the table (default benchmarks/results/fm_search_synth.json, "
+                   "fm_search_synth_<family>.json for another family).")
+def evaluate_fm_search_cmd(out, family, result) -> None:
+    """An FM family's recipe search on seed 0's validation slice (``solaris_jobs.evaluation.fm_search``): run once,
+    before the evaluation's seeds; its choice is the recipe the evaluation trains that family with (the
+    transformer's: ``ModelsConfig``'s default)."""
     from solaris_jobs.core import events as ev
     from solaris_jobs.evaluation import fm_search
     from solaris_jobs.evaluation.config import EvalConfig
     from solaris_jobs.evaluation.run import dataset_root
     from solaris_jobs.evaluation.windows import protocol_of
-    cfg = EvalConfig()
-    root = dataset_root(cfg, Path(out), seed=fm_search.PLAN.seeds[0])
+    cfg, plan = EvalConfig(), fm_search.PLANS[family]
+    root = dataset_root(cfg, Path(out), seed=plan.seeds[0])
     table = fm_search.search(root, protocol_of(cfg, ev.read_events(root)), Path(out) / "fm_search", cfg.models,
-                             cfg.label_delay_minutes)
-    path = Path(result) if result else fm_search.RESULT
+                             cfg.label_delay_minutes, plan)
+    path = Path(result) if result else fm_search.result_path(family)
     path.write_text(json.dumps(table, indent=1, default=str) + "\n")
     click.echo(json.dumps(table["chosen"]))
     click.echo(f"table: {path}")
