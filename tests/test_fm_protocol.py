@@ -228,12 +228,13 @@ def test_an_fm_familys_recipe_search_trains_that_family_and_resumes_from_its_poi
     from solaris_jobs.core import events as ev
     from solaris_jobs.evaluation import fm_search
     from solaris_jobs.evaluation.protocol import ModelsConfig, by_quantiles
-    from solaris_jobs.learning import training
     from solaris_jobs.evaluation.windows import event_us
+    from solaris_jobs.learning import training
     protocol = by_quantiles(event_us(ev.read_events(synth_root)), 0.8, 0.9, floor="h")
+    start = (("fm_lr", 2e-3), ("fm_weight_decay", 0.0), ("fm_dropout", 0.1), ("fm_target_user", False),
+             ("history_len", 10))
     plan = replace(fm_search.PLANS["gru4rec"], rows=3_000, epochs=1, stages=(("fm_lr", (8e-3,)),),
-                   history_lens=(10, 20), longer=40, start=(("fm_lr", 2e-3), ("fm_weight_decay", 0.0), ("fm_dropout", 0.1),
-                                                 ("fm_target_user", False), ("history_len", 10)))
+                   history_lens=(10, 20), longer=40, start=start)
     base = replace(ModelsConfig(), d_model=8, n_layers=1, d_interaction=16, batch_size=256)
     built, build = [], training.build_fm
     monkeypatch.setattr(training, "build_fm", lambda data, cfg, **kw: built.append(kw["family"]) or

@@ -99,12 +99,20 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
     assert set(fm_search.PLANS) == set(FM_FAMILIES)
     from solaris_jobs.flows.cli import evaluate_fm_search_cmd
     assert set(next(o for o in evaluate_fm_search_cmd.params if o.name == "family").type.choices) == set(FM_FAMILIES)
+    # The product's training takes the family's recipe where it is not given one (SOLARIS_TRAIN, `solaris train`).
+    assert set(st.FM_RECIPES) == set(FM_FAMILIES) and st.FM_RECIPES["transformer"] == fm_search.recipe_of(ModelsConfig())
     for family, plan in fm_search.PLANS.items():
         assert plan.key() == fm_search.PLAN.key() | ({"family": family} if family != "transformer" else {})
-        own, models = fm_search.committed(family), fm_search.models_for(ModelsConfig(), family)
-        assert models.fm_family == family and fm_search.recipe_of(models) == \
-            (own["chosen"] if own else fm_search.recipe_of(ModelsConfig()) if family == "transformer" else
-             dict(plan.start))
+        own, recipe = fm_search.committed(family), st.FM_RECIPES[family]
+        assert recipe == (own["chosen"] if own else dict(plan.start)), family
+        models = fm_search.models_for(ModelsConfig(), family)
+        assert models.fm_family == family and fm_search.recipe_of(models) == recipe
+        ts = st.validate_train({"fm_family": family})
+        assert {k: getattr(ts, k) for k in recipe} == recipe
+        assert st.validate_train({"fm_family": family, "fm_lr": 1e-4, "history_len": 7}).fm_lr == 1e-4
+    from solaris_jobs.flows.cli import FLAG_OF, train_fm
+    flags = {o.name: o.default for o in train_fm.params}
+    assert all(flags[k] is None for k in st.FM_RECIPES["transformer"]), FLAG_OF     # left out: the family's
     # The refresh DAG's default schedule is the evaluation's hourly cadence.
     assert cfg.cadence == "1h" and '"SOLARIS_REFRESH_CRON", "0 * * * *"' in (ROOT / "dags" /
                                                                             "solaris_refresh.py").read_text()

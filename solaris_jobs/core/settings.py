@@ -565,23 +565,38 @@ def env_log_level(env=None) -> str:
 
 # ------------------------------------------------------------------------------------------------ training
 
+# Each FM family's recipe, the one its validation search chose (solaris_jobs/evaluation/fm_search.py, tables in
+# benchmarks/results/fm_search_synth*.json; held equal by tests/test_settings.py): the FM's training takes its
+# family's where a setting does not name a value. gru4rec's is its search's start until that search has run.
+FM_RECIPES = {
+    "transformer": {"fm_lr": 4e-3, "fm_weight_decay": 1e-2, "fm_dropout": 0.1, "fm_target_user": True,
+                    "history_len": 50},
+    "gru4rec": {"fm_lr": 2e-3, "fm_weight_decay": 0.0, "fm_dropout": 0.1, "fm_target_user": False,
+                "history_len": 50},
+}
+_FM = FM_RECIPES["transformer"]          # TrainSettings' defaults: the default family's
+
+
 @dataclass(frozen=True, config=_STRICT)
 class TrainSettings:
     """The training DAG's settings (``SOLARIS_TRAIN`` JSON); ``solaris train`` takes the same fields as flags."""
     epochs: int = Field(3, ge=1, description="Maximum epochs: the FM's in the training DAG (early stopping on valid "
                                              "BCE, patience 1).")
-    history_len: int = Field(50, ge=1, description="History length L.")
+    history_len: int = Field(_FM["history_len"], ge=1, description="History length L.")
     batch_size: int = Field(512, ge=1, description="Training batch size.")
     d_model: int = Field(64, ge=1, description="FM model width.")
     layers: int = Field(2, ge=1, description="FM sequence-encoder layers.")
     d_interaction: int = Field(128, ge=1, description="Width of the interaction embedding h(u, i).")
     d_code: int = Field(32, ge=1, description="Code width D (what the VM and the feature store take).")
     # The FM's recipe: the evaluated one (the evaluation's ModelsConfig, chosen by #40's validation search; held equal
-    # by tests/test_settings.py::test_the_defaults_are_the_evaluated_configuration).
-    fm_lr: float = Field(4e-3, gt=0, description="The FM's learning rate.")
-    fm_weight_decay: float = Field(1e-2, ge=0, description="The FM's weight decay (AdamW).")
-    fm_dropout: float = Field(0.1, ge=0, lt=1, description="The FM's dropout.")
-    fm_target_user: bool = Field(True, description="The FM trunk's target x user product.")
+    # by tests/test_settings.py::test_the_defaults_are_the_evaluated_configuration); validate_train (SOLARIS_TRAIN,
+    # `solaris train`) takes the family's (FM_RECIPES) for the fields it is not given.
+    fm_lr: float = Field(_FM["fm_lr"], gt=0, description="The FM's learning rate.")
+    fm_weight_decay: float = Field(_FM["fm_weight_decay"], ge=0,
+                                   description="The FM's weight decay (AdamW).")
+    fm_dropout: float = Field(_FM["fm_dropout"], ge=0, lt=1, description="The FM's dropout.")
+    fm_target_user: bool = Field(_FM["fm_target_user"],
+                                 description="The FM trunk's target x user product.")
     fm_family: Literal["transformer", "gru4rec"] = Field(
         "transformer", description="The FM's family: transformer (the evaluated one) or gru4rec (a recurrent one, "
                                    "models/gru4rec.py).")
@@ -635,8 +650,9 @@ def train_settings(env=None) -> TrainSettings:
 
 
 def validate_train(raw: dict, names: dict[str, str] | None = None) -> TrainSettings:
-    """``TrainSettings`` from a dict of fields; an error names the field and where it came from (``names``: field
-    -> a variable or a flag)."""
+    """``TrainSettings`` from a dict of fields, the FM's recipe fields it does not name from its family's
+    (``FM_RECIPES``); an error names the field and where it came from (``names``: field -> a variable or a flag)."""
+    raw = {**FM_RECIPES.get(raw.get("fm_family", "transformer"), {}), **raw}
     try:
         return _TRAIN_ADAPTER.validate_python(raw)
     except ValidationError as e:

@@ -155,12 +155,10 @@ def committed(family: str = "transformer") -> dict | None:
 
 
 def models_for(base: ModelsConfig, family: str) -> ModelsConfig:
-    """``base`` with FM ``family`` and that family's recipe: the one its committed search chose; the transformer's
-    is ``ModelsConfig``'s default (held equal to its search by tests/test_settings.py); a family not searched yet
-    gets its plan's start (and the report's ``config.fm_search`` is then None)."""
-    if family not in PLANS:
-        raise ValueError(f"no FM search plan for family {family!r}: {sorted(PLANS)}")
-    searched = committed(family)
-    recipe = searched["chosen"] if searched else recipe_of(ModelsConfig()) if family == "transformer" \
-        else dict(PLANS[family].start)
-    return replace(base, fm_family=family, **recipe)
+    """``base`` with FM ``family`` and that family's recipe (``settings.FM_RECIPES``: what its search chose, held
+    equal to the committed table by tests/test_settings.py; a family not searched yet has its plan's start, and the
+    report's ``config.fm_search`` is then None)."""
+    from solaris_jobs.core.settings import FM_RECIPES
+    if family not in FM_RECIPES:
+        raise ValueError(f"no FM recipe for family {family!r}: {sorted(FM_RECIPES)}")
+    return replace(base, fm_family=family, **FM_RECIPES[family])

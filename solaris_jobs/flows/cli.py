@@ -138,9 +138,16 @@ def data_candidates(root, cutoff, users, n_candidates) -> None:
 
 
 def _train_field(flag: str, field: str):
-    """An option of a ``TrainSettings`` field: its default and its description from the settings."""
-    from solaris_jobs.core.settings import TrainSettings, describe
+    """An option of a ``TrainSettings`` field: its default and its description from the settings. A field of the
+    FM's recipe has no default here: left out, it is the ``--family``'s (``FM_RECIPES``)."""
+    from solaris_jobs.core.settings import FM_RECIPES, TrainSettings, describe
     default = getattr(TrainSettings(), field)
+    if field in FM_RECIPES["transformer"]:
+        recipes = ", ".join(f"{k} {v[field]}" for k, v in FM_RECIPES.items())
+        return click.option(f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, field, default=None,
+                            type=None if isinstance(default, bool) else type(default),
+                            help=f"{describe(field, TrainSettings)} Default: the family's evaluated recipe "
+                                 f"({recipes}).")
     if isinstance(default, bool):
         return click.option(f"{flag}/--no-{flag[2:]}", field, default=default, help=describe(field, TrainSettings))
     if isinstance(default, str):
@@ -179,6 +186,7 @@ def _train_run(kw: dict):
     from solaris_jobs.core.settings import Settings, TrainSettings, validate_train
     from solaris_jobs.learning import training
     fields = {k: kw.pop(k) for k in list(kw) if k in TrainSettings.__pydantic_fields__}
+    fields = {k: v for k, v in fields.items() if v is not None}        # not given: the default (or the family's)
     ts = validate_train(fields, {k: FLAG_OF.get(k, "--" + k.replace("_", "-")) for k in fields})
     lr = kw.pop("lr", None)               # the autoencoder's and the VM's (the FM's is its recipe's: fm_lr)
     cfg = training.TrainConfig.of(ts, device=kw.pop("device"), **({"lr": lr} if lr is not None else {}))
