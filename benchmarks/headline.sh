@@ -8,6 +8,11 @@
 #                                          comparison without the recency inputs; others without the curves)
 #   benchmarks/headline.sh sweep           the sequence-share sweep's 0.75 point (seed 0)
 #   benchmarks/headline.sh merge           one report over every committed part
+#   benchmarks/headline.sh search FAMILY   an FM family's recipe search (#41: gru4rec), its table and points kept
+#   benchmarks/headline.sh family FAMILY N one descriptive headline seed of that family (#41), after its search
+#
+# The #40 seeds all run one frozen commit (WT=/work/wt-eval); the #41 parts need a later one (the family's recipe):
+# freeze it in another worktree, e.g. WT=/work/wt-fam benchmarks/headline.sh freeze COMMIT, and give that WT to them.
 #
 # Each part's report.json is copied to benchmarks/results/headline40/<part>.json (each seed in it records the
 # commit that ran it); commit it at once. Run nothing heavy beside a part (its replay reads Redis on a 10 ms
@@ -64,8 +69,27 @@ merge)
     cp "$OUT/merged/report.json" "$HERE/benchmarks/results/evaluation_synth.json"
     echo "merged: benchmarks/results/evaluation_synth.json (commit it, and the report's figures in BENCHMARKS)"
     ;;
+search)
+    family="${2:?search FAMILY}"
+    cd "$WT"
+    "$VENV/bin/solaris" evaluate-fm-search --family "$family" --out "$OUT/search-$family" \
+        --result "$HERE/benchmarks/results/fm_search_synth_$family.json"
+    cp -n "$OUT/search-$family"/fm_search/point-*.json "$HERE/benchmarks/results/fm_search_points/"
+    echo "kept: benchmarks/results/fm_search_synth_$family.json and its points (commit them, and the choice into" \
+         "settings.FM_RECIPES)"
+    ;;
+family)
+    family="${2:?family FAMILY N}"
+    n="${3:?family FAMILY N}"
+    cd "$WT"
+    "$VENV/bin/solaris" evaluate --fm "$family" --seeds "$n" --sequence-shares none --no-curves --fast-cadence none \
+        --out "$OUT/$family-seed$n"
+    frozen >/dev/null
+    cp "$OUT/$family-seed$n/report.json" "$HERE/benchmarks/results/evaluation_synth_$family.json"
+    echo "kept: benchmarks/results/evaluation_synth_$family.json (commit it now: one descriptive seed)"
+    ;;
 *)
-    sed -n 2,16p "$0"
+    sed -n 2,21p "$0"
     exit 2
     ;;
 esac
