@@ -67,9 +67,8 @@ def main() -> None:
 
     from models import AEConfig, Autoencoder
     from models.checkpoint import FM_FAMILIES
-    from solaris_jobs.core.settings import PrecomputeConfig, TrainSettings
+    from solaris_jobs.core.settings import PrecomputeConfig, TrainSettings, validate_train
     from solaris_jobs.learning.training import fm_model_args
-    from dataclasses import replace
     ts, pc = TrainSettings(), PrecomputeConfig()
     data = inputs(args.users, args.pairs_per_user, args.items, ts.history_len)
     torch.set_num_threads(os.cpu_count())
@@ -77,7 +76,7 @@ def main() -> None:
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     for family in args.family:
         torch.manual_seed(0)
-        fam = fm_model_args(replace(ts, fm_family=family))
+        fam = fm_model_args(validate_train({"fm_family": family}))        # the family's own recipe
         config_cls, model_cls = FM_FAMILIES[fam.pop("family")]
         fm = model_cls(config_cls(user_side={"n_ids": args.users + 1}, item_side={"n_ids": args.items},
                                   history_len=ts.history_len, **fam)).eval()

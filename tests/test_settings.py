@@ -92,8 +92,10 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
         assert fm_search.recipe_of(cfg.models) == searched["chosen"]
         # The transformer's points are keyed as when they were committed (a plan field added later, as family, must
         # not rename them, or a fresh clone would search again).
-        assert json.loads(json.dumps({**fm_search.PLAN.key(), "start": dict(fm_search.PLAN.start)})) == \
-            {k: v for k, v in searched["plan"].items() if k != "family"}
+        at = (searched["protocol"], searched["data"], searched["code"], searched["label_delay_minutes"], ModelsConfig())
+        names = {fm_search.point_name(fm_search.PLAN, p["recipe"], p["seed"], *at) for p in searched["points"]}
+        assert len(names) == len(searched["points"]) and \
+            all((fm_search.POINTS / f"point-{name}.json").exists() for name in names), names
     # Every family is searched the same way and evaluated with what its own search chose (its plan's start before).
     from models.checkpoint import FM_FAMILIES
     assert set(fm_search.PLANS) == set(FM_FAMILIES)
@@ -109,7 +111,11 @@ def test_the_defaults_are_the_evaluated_configuration(tmp_path):
         assert models.fm_family == family and fm_search.recipe_of(models) == recipe
         ts = st.validate_train({"fm_family": family})
         assert {k: getattr(ts, k) for k in recipe} == recipe
-        assert st.validate_train({"fm_family": family, "fm_lr": 1e-4, "history_len": 7}).fm_lr == 1e-4
+        given = st.validate_train({"fm_family": family, "fm_lr": 1e-4, "history_len": 7})
+        assert (given.fm_lr, given.history_len, given.fm_dropout) == (1e-4, 7, recipe["fm_dropout"])
+        # A config that sets a recipe field apart from the default family's keeps it (--quick's shorter history).
+        quick = fm_search.models_for(ModelsConfig(history_len=30), family)
+        assert quick.history_len == 30 and quick.fm_lr == recipe["fm_lr"]
     from solaris_jobs.flows.cli import FLAG_OF, train_fm
     flags = {o.name: o.default for o in train_fm.params}
     assert all(flags[k] is None for k in st.FM_RECIPES["transformer"]), FLAG_OF     # left out: the family's

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "fm_search_synth.json"
 POINTS = RESULT.parent / "fm_search_points"        # points committed as they end (the same names as the cache's)
 FM_CODE = ("models.fm", "models.common", "solaris_jobs.learning.training", "solaris_jobs.core.model_inputs")
+FAMILY_CODE = {"transformer": (), "gru4rec": ("models.gru4rec", "models.checkpoint")}   # beyond FM_CODE
 RECIPE_KEYS = ("fm_lr", "fm_weight_decay", "fm_dropout", "fm_target_user", "history_len")
 
 
@@ -73,6 +74,15 @@ def recipe_of(models: ModelsConfig) -> dict:
     return {k: getattr(models, k) for k in RECIPE_KEYS}
 
 
+def point_name(plan: SearchPlan, recipe: dict, seed: int, protocol: dict, data: str, code: str,
+               label_delay_minutes: float, base: ModelsConfig) -> str:
+    """A point's cache name: a digest of everything its result depends on."""
+    key = {"recipe": recipe, "seed": seed, "plan": plan.key(), "protocol": protocol, "data": data, "code": code,
+           "label_delay_minutes": label_delay_minutes,
+           "widths": {k: getattr(base, k) for k in ("d_model", "n_layers", "d_interaction", "batch_size")}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_delay_minutes: float,
            plan: SearchPlan = PLAN) -> dict:
     """Runs ``plan`` on the log at ``root`` (cached per point under ``out``) and returns the table: every point's
@@ -80,7 +90,7 @@ def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_
     from solaris_jobs.learning import training
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    code = source_hash(FM_CODE)
+    code = source_hash(FM_CODE + FAMILY_CODE[plan.family])
     loaded: dict[int, object] = {}
     points: list[dict] = []
 
@@ -94,11 +104,7 @@ def search(root: Path, protocol: Protocol, out: Path, base: ModelsConfig, label_
         return loaded[history_len]
 
     def run(recipe: dict, seed: int, stage: str) -> float:
-        key = {"recipe": recipe, "seed": seed, "plan": plan.key(),
-               "protocol": protocol.to_dict(), "data": data_version(root), "code": code,
-               "label_delay_minutes": label_delay_minutes,
-               "widths": {k: getattr(base, k) for k in ("d_model", "n_layers", "d_interaction", "batch_size")}}
-        name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        name = point_name(plan, recipe, seed, protocol.to_dict(), data_version(root), code, label_delay_minutes, base)
         path, kept = out / f"point-{name}.json", POINTS / f"point-{name}.json"
         if path.exists() or kept.exists():
             rec = json.loads((path if path.exists() else kept).read_text())
@@ -157,8 +163,11 @@ def committed(family: str = "transformer") -> dict | None:
 def models_for(base: ModelsConfig, family: str) -> ModelsConfig:
     """``base`` with FM ``family`` and that family's recipe (``settings.FM_RECIPES``: what its search chose, held
     equal to the committed table by tests/test_settings.py; a family not searched yet has its plan's start, and the
-    report's ``config.fm_search`` is then None)."""
+    report's ``config.fm_search`` is then None), except where ``base`` sets a recipe field apart from the default
+    family's (``--quick``'s shorter history stays)."""
     from solaris_jobs.core.settings import FM_RECIPES
     if family not in FM_RECIPES:
         raise ValueError(f"no FM recipe for family {family!r}: {sorted(FM_RECIPES)}")
-    return replace(base, fm_family=family, **FM_RECIPES[family])
+    default = FM_RECIPES["transformer"]
+    return replace(base, fm_family=family, **{k: v if getattr(base, k) == default[k] else getattr(base, k)
+                                              for k, v in FM_RECIPES[family].items()})

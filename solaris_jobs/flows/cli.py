@@ -146,8 +146,8 @@ def _train_field(flag: str, field: str):
         recipes = ", ".join(f"{k} {v[field]}" for k, v in FM_RECIPES.items())
         return click.option(f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, field, default=None,
                             type=None if isinstance(default, bool) else type(default),
-                            help=f"{describe(field, TrainSettings)} Default: the family's evaluated recipe "
-                                 f"({recipes}).")
+                            help=f"{describe(field, TrainSettings)} Default: the FM family's evaluated recipe "
+                                 f"({recipes}; the transformer's where the command takes no --family).")
     if isinstance(default, bool):
         return click.option(f"{flag}/--no-{flag[2:]}", field, default=default, help=describe(field, TrainSettings))
     if isinstance(default, str):
