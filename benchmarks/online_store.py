@@ -4,8 +4,9 @@ port, started and stopped here):
 1. Materialization rows/s of the pair view (D=32) at each size: ``solaris materialize``'s writer (into an empty
    Redis, then a rerun over the same keys) vs ``FeatureStore.materialize`` (stock `feast materialize`) on the same
    parquet rows into an empty Redis. Both are read back through the stock SDK and compared.
-2. Serving, one user x 500 candidates, all tiers (100 candidates with a pair embedding, the rest falling to the
-   user aggregate): our ``FeatureReader.read`` vs stock ``get_online_features`` on the same three views.
+2. Serving, one user x 500 candidates (100 with a pair embedding, the rest falling to a fallback tier): our
+   ``FeatureReader.read`` at the product's tiers (``DEFAULT_TIERS``, the evaluated set) and with every fallback tier,
+   each vs stock ``get_online_features`` on the same views.
 3. The ranker: a VM with an FM slot scoring 500 candidates with the feature read, vs a plain VM (no FM features).
 
     .venv/bin/python benchmarks/online_store.py --rows 100000 1000000
@@ -56,6 +57,16 @@ def make_offline(offline: Path, n_pairs: int, n_users: int, seed: int = 0) -> pd
     write_interval(offline, "user_aggregates", pd.DataFrame({
         "user_id": users, "embedding": list(rng.standard_normal((n_users, D)).astype(np.float32)),
         "n_pairs": rng.integers(1, 50, n_users).astype(np.int32), "event_timestamp": END, "model_version": VERSION}))
+    # The item-aware fallback (other users' pairs: user 0's candidates find none, but its fields are read from each
+    # pair's hash all the same) and the user's own state.
+    fb = pairs.iloc[100:].sample(min(len(pairs) - 100, n_pairs // 4), random_state=seed)
+    write_interval(offline, "pair_fallbacks", pd.DataFrame({
+        "user_id": fb.user_id.to_numpy(), "item_id": fb.item_id.to_numpy(),
+        "embedding": list(rng.standard_normal((len(fb), D)).astype(np.float32)),
+        "n_pairs": rng.integers(1, 50, len(fb)).astype(np.int32), "event_timestamp": END, "model_version": VERSION}))
+    write_interval(offline, "user_states", pd.DataFrame({
+        "user_id": users, "embedding": list(rng.standard_normal((n_users, D)).astype(np.float32)),
+        "event_timestamp": END, "model_version": VERSION}))
     write_interval(offline, "neighbours", pd.DataFrame({
         "user_id": users, "neighbour_ids": [rng.integers(0, n_users, 10) for _ in users],
         "similarities": [rng.random(10).astype(np.float32) for _ in users],
@@ -166,43 +177,58 @@ def main() -> None:
 
 
 def request_items(rng) -> np.ndarray:
-    """100 items with a pair embedding for user 0, 400 without (they fall to the aggregate)."""
+    """100 items with a pair embedding for user 0, 400 without (they fall to a fallback tier, or to none)."""
     return rng.permutation(np.concatenate([np.arange(100), 10**13 + rng.integers(0, 10**6, 400)]))
 
 
-def serving(cfg, fs, args) -> dict:
+def _ours(cfg, tiers, requests: int) -> dict:
     from solaris_jobs.online.reader import FeatureReader
     rng = np.random.default_rng(0)
     now = END + pd.Timedelta(hours=1)
-    reader = FeatureReader(cfg, VERSION, D, budget_ms=50)
+    reader = FeatureReader(cfg, VERSION, D, budget_ms=50, tiers=tiers)
     for _ in range(50):
         reader.read(0, request_items(rng), now)
     lat = []
-    for _ in range(args.requests):
+    for _ in range(requests):
         items = request_items(rng)
         t0 = time.perf_counter()
         f = reader.read(0, items, now)
         lat.append((time.perf_counter() - t0) * 1000)
-    tiers = pd.Series(f.tier_names()).value_counts().to_dict()
     reader.close()
-    ours = {**pct(lat), "tiers_last_request": tiers, "fail_open": reader.metrics.counts["fail_open"]}
-    feats = [f"{v}:{c}" for v, cols in (("pair_embeddings", ("embedding", "model_version")),
-                                        ("user_aggregates", ("embedding", "model_version")),
-                                        ("neighbours", ("embedding", "model_version"))) for c in cols]
+    return {**pct(lat), "tiers": list(reader.tiers), "tiers_last_request": pd.Series(f.tier_names()).value_counts()
+            .to_dict(), "fail_open": reader.metrics.counts["fail_open"]}
+
+
+def _stock(fs, view_names, requests: int) -> dict:
+    rng = np.random.default_rng(0)
+    feats = [f"{v}:{c}" for v in view_names for c in ("embedding", "model_version")]
     for _ in range(10):
         fs.get_online_features(features=feats, entity_rows=[{"user_id": 0, "item_id": int(i)}
                                                             for i in request_items(rng)], full_feature_names=True)
     lat = []
-    for _ in range(args.stock_requests):
+    for _ in range(requests):
         rows = [{"user_id": 0, "item_id": int(i)} for i in request_items(rng)]
         t0 = time.perf_counter()
         fs.get_online_features(features=feats, entity_rows=rows, full_feature_names=True).to_dict()
         lat.append((time.perf_counter() - t0) * 1000)
-    stock = pct(lat)
-    print(f"serving 1 user x 500: ours p50 {ours['p50_ms']} ms p99 {ours['p99_ms']} ms; stock get_online_features "
-          f"p50 {stock['p50_ms']} ms p99 {stock['p99_ms']} ms", flush=True)
-    return {"candidates": 500, "with_pair_embedding": 100, "ours": ours, "stock_get_online_features": stock,
-            "note": "stock returns raw rows (no TTL, version or tier resolution); ours returns the resolved matrix"}
+    return {**pct(lat), "views": list(view_names)}
+
+
+def serving(cfg, fs, args) -> dict:
+    """Our reader at the product's tiers (``DEFAULT_TIERS``, the evaluated set) and with every fallback tier, each
+    beside stock ``get_online_features`` of the same views."""
+    from solaris_jobs.online.reader import DEFAULT_TIERS, FALLBACKS
+    from solaris_jobs.online.views import views
+    tier_view = {v.tier: name for name, v in views().items()}
+    out = {"candidates": 500, "with_pair_embedding": 100,
+           "note": "stock returns raw rows (no TTL, version or tier resolution); ours returns the resolved matrix"}
+    for label, tiers in (("default_tiers", DEFAULT_TIERS), ("all_tiers", FALLBACKS)):
+        ours = _ours(cfg, tiers, args.requests)
+        stock = _stock(fs, ["pair_embeddings", *(tier_view[t] for t in tiers)], args.stock_requests)
+        out[label] = {"ours": ours, "stock_get_online_features": stock}
+        print(f"serving 1 user x 500, {label} {list(tiers)}: ours p50 {ours['p50_ms']} ms p99 {ours['p99_ms']} ms; "
+              f"stock get_online_features p50 {stock['p50_ms']} ms p99 {stock['p99_ms']} ms", flush=True)
+    return out
 
 
 def ranker(cfg, args, work: Path) -> dict:
